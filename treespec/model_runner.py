@@ -1,0 +1,55 @@
+"""ModelRunner: one model (target or draft), its KV pool and its attention backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from treespec.attention.torch_backend import TorchAttnBackend
+from treespec.forward_batch import ForwardBatch, ModelOutput
+from treespec.mem.kv_pool import KVPool
+from treespec.model_loader import load_config, load_hf_weights
+from treespec.models.config import ModelConfig
+from treespec.models.llama import LlamaForCausalLM
+
+
+def create_attn_backend(device: torch.device):
+    if device.type == "cuda":
+        from treespec.attention.flashinfer_backend import FlashInferAttnBackend
+
+        return FlashInferAttnBackend(device)
+    return TorchAttnBackend(device)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: Path,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_pool_size: int,
+        context_len: int | None = None,
+    ) -> None:
+        self.device, self.dtype = device, dtype
+        self.hf_config = load_config(model_dir)
+        self.config = ModelConfig.from_hf(self.hf_config)
+        limit = self.config.max_position_embeddings
+        if self.config.sliding_window:
+            # Without sliding-window attention we are exact only up to the window.
+            limit = min(limit, self.config.sliding_window)
+        self.context_len = min(context_len or limit, limit)
+        with torch.device("cpu"):
+            model = LlamaForCausalLM(self.config, self.context_len)
+        model.load_weights(load_hf_weights(model_dir))
+        self.model = model.to(device=device, dtype=dtype).eval()
+        self.model.rotary.to(device)
+        self.kv_pool = KVPool(
+            kv_pool_size, self.config.num_layers, self.config.num_kv_heads, self.config.head_dim, dtype, device
+        )
+        self.attn_backend = create_attn_backend(device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, return_all_hidden: bool = False) -> ModelOutput:
+        self.attn_backend.init_forward_metadata(batch.attn)
+        return self.model(batch, self, return_all_hidden)

@@ -1,0 +1,128 @@
+"""Llama-family causal LM (Llama 2/3, Mistral, Qwen2, Qwen3) over the paged KV pool."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from treespec.forward_batch import ForwardBatch, ModelOutput
+from treespec.models.config import ModelConfig
+from treespec.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, input_size: int | None = None) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        # q, k and v fused into one matmul: fewer, larger ops are what pays on CPU.
+        self.qkv_proj = nn.Linear(input_size or cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, ctx) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        ctx.kv_pool.set_kv(self.layer_id, batch.out_cache_loc, k, v)
+        k_buf, v_buf = ctx.kv_pool.get_kv(self.layer_id)
+        out = ctx.attn_backend.forward(q, k_buf, v_buf, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_id)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, cos, sin, batch: ForwardBatch, ctx) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head
+
+    def forward(self, batch: ForwardBatch, ctx, return_all_hidden: bool = False) -> ModelOutput:
+        h = self.embed_tokens(batch.input_ids)
+        cos, sin = self.rotary(batch.positions, h.dtype)
+        aux = []
+        for i, layer in enumerate(self.layers):
+            if i in batch.capture_layers:
+                aux.append(h)
+            h = layer(h, cos, sin, batch, ctx)
+        h = self.norm(h)
+        rows = h if batch.logits_indices is None else h[batch.logits_indices]
+        logits = F.linear(rows, self.lm_head_weight).float()
+        return ModelOutput(
+            logits=logits,
+            hidden_states=h if return_all_hidden else rows,
+            aux_hidden_states=torch.cat(aux, dim=-1) if aux else None,
+        )
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Load HF-named weights, fusing q/k/v and gate/up."""
+        cfg = self.config
+        own = dict(self.named_parameters())
+        loaded: set[str] = set()
+
+        def put(name: str, value: torch.Tensor) -> None:
+            if own[name].shape != value.shape:
+                raise ValueError(f"weight {name}: expected shape {tuple(own[name].shape)}, got {tuple(value.shape)}")
+            with torch.no_grad():
+                own[name].copy_(value)
+            loaded.add(name)
+
+        def get(name: str) -> torch.Tensor:
+            if name not in state:
+                raise ValueError(f"checkpoint is missing weight {name}")
+            return state[name]
+
+        put("embed_tokens.weight", get("model.embed_tokens.weight"))
+        put("norm.weight", get("model.norm.weight"))
+        if not cfg.tie_word_embeddings:
+            put("lm_head", get("lm_head.weight"))
+        for i in range(cfg.num_layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            qkv = [get(f"{src}self_attn.{p}_proj.weight") for p in "qkv"]
+            put(f"{dst}self_attn.qkv_proj.weight", torch.cat(qkv, 0))
+            if cfg.qkv_bias:
+                put(f"{dst}self_attn.qkv_proj.bias", torch.cat([get(f"{src}self_attn.{p}_proj.bias") for p in "qkv"], 0))
+            put(f"{dst}self_attn.o_proj.weight", get(f"{src}self_attn.o_proj.weight"))
+            if cfg.qk_norm:
+                put(f"{dst}self_attn.q_norm.weight", get(f"{src}self_attn.q_norm.weight"))
+                put(f"{dst}self_attn.k_norm.weight", get(f"{src}self_attn.k_norm.weight"))
+            gate_up = [get(f"{src}mlp.gate_proj.weight"), get(f"{src}mlp.up_proj.weight")]
+            put(f"{dst}mlp.gate_up_proj.weight", torch.cat(gate_up, 0))
+            put(f"{dst}mlp.down_proj.weight", get(f"{src}mlp.down_proj.weight"))
+            put(f"{dst}input_layernorm.weight", get(f"{src}input_layernorm.weight"))
+            put(f"{dst}post_attention_layernorm.weight", get(f"{src}post_attention_layernorm.weight"))
+        missing = set(own) - loaded
+        if missing:
+            raise ValueError(f"weights not loaded: {sorted(missing)[:5]}")

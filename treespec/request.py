@@ -1,0 +1,141 @@
+"""Req: one generation request as the scheduler sees it, with its stop / length bookkeeping."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from treespec.sampling import SamplingParams
+
+_EMPTY = torch.zeros(0, dtype=torch.int64)
+_rid_counter = itertools.count()
+
+
+def new_rid() -> str:
+    return f"req-{next(_rid_counter)}"
+
+
+@dataclass
+class RequestOutput:
+    """What one scheduler step produced for one request (new tokens since the last output)."""
+
+    rid: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: dict | None
+    meta_info: dict
+    output_token_logprobs: list[tuple[float, int]] | None = None
+    output_top_logprobs: list[list[tuple[float, int]]] | None = None
+    input_token_logprobs: list[tuple[float | None, int]] | None = None
+
+
+@dataclass
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    eos_token_ids: tuple[int, ...] = ()
+
+    output_ids: list[int] = field(default_factory=list)
+    finished_reason: dict | None = None
+    # memory: row in req_to_token, number of positions whose KV is written there, and the cached
+    # prefix (slot ids) this request holds a lock on
+    req_pool_idx: int | None = None
+    kv_len: int = 0
+    prefix_indices: torch.Tensor = field(default_factory=lambda: _EMPTY)
+    last_node: object = None
+    # bookkeeping
+    cached_tokens: int = 0
+    sent_len: int = 0  # output tokens already reported
+    num_retractions: int = 0
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
+    generator: torch.Generator | None = None
+    output_counts: torch.Tensor | None = None  # [V] counts for frequency/presence penalties
+    prompt_mask: torch.Tensor | None = None  # [V] tokens seen in the prompt (repetition penalty)
+    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
+    sent_logprob_len: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def init_sampling_state(self, vocab_size: int, seed: int) -> None:
+        params = self.sampling_params
+        if not params.greedy:
+            self.generator = torch.Generator().manual_seed(params.seed if params.seed is not None else seed)
+        if params.frequency_penalty != 0 or params.presence_penalty != 0:
+            self.output_counts = torch.zeros(vocab_size, dtype=torch.float32)
+        if params.repetition_penalty != 1:
+            self.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool)
+            self.prompt_mask[torch.tensor(self.origin_input_ids, dtype=torch.int64)] = True
+            if self.output_counts is None:
+                self.output_counts = torch.zeros(vocab_size, dtype=torch.float32)
+
+    def append_token(self, token: int, tokenizer=None) -> bool:
+        """Append one generated token and apply the stop rules; returns True if the request finished.
+        Tokens are appended one at a time so speculative runs stop exactly where plain decoding would."""
+        self.output_ids.append(token)
+        if self.output_counts is not None:
+            self.output_counts[token] += 1
+        params = self.sampling_params
+        n = len(self.output_ids)
+        if n >= params.min_new_tokens:
+            if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+                self.finished_reason = {"type": "stop", "matched": token}
+                return True
+            if params.stop and tokenizer is not None:
+                tail = tokenizer.decode(self.output_ids[-(_max_stop_tokens(params.stop)) :])
+                for s in params.stop:
+                    if s in tail:
+                        self.finished_reason = {"type": "stop", "matched": s}
+                        return True
+        if n >= params.max_new_tokens:
+            self.finished_reason = {"type": "length", "length": n}
+            return True
+        return False
+
+    def meta_info(self) -> dict:
+        info = {
+            "id": self.rid,
+            "prompt_tokens": len(self.origin_input_ids),
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": self.cached_tokens,
+            "finish_reason": self.finished_reason,
+        }
+        if self.spec_verify_ct:
+            info["spec_verify_ct"] = self.spec_verify_ct
+            info["spec_accept_length"] = len(self.output_ids) / self.spec_verify_ct
+        return info
+
+    def take_output(self) -> RequestOutput:
+        new = self.output_ids[self.sent_len :]
+        self.sent_len = len(self.output_ids)
+        out = RequestOutput(self.rid, new, self.finished, self.finished_reason, self.meta_info())
+        if self.return_logprob:
+            out.output_token_logprobs = self.output_token_logprobs[self.sent_logprob_len :]
+            out.output_top_logprobs = self.output_top_logprobs[self.sent_logprob_len :]
+            if self.sent_logprob_len == 0 and self.input_token_logprobs:
+                out.input_token_logprobs = self.input_token_logprobs
+            self.sent_logprob_len = len(self.output_token_logprobs)
+        return out
+
+
+def _max_stop_tokens(stops: list[str]) -> int:
+    # A stop string of c characters spans at most c tokens (+1 for a token straddling its start).
+    return max(len(s) for s in stops) + 1

@@ -1,0 +1,334 @@
+"""Scheduler: waiting queue, admission, chunked prefill, decode batches, retraction and abort.
+
+Pure engine logic, no sockets: the in-process Engine calls `step()` in a loop and the server's
+scheduler process wraps the same object in a ZMQ loop. One step runs one batch: a prefill batch of
+waiting requests (longest cached prefix first by default) when any can be admitted, else one decode
+step of every running request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+import torch
+
+from treespec.args import ServerArgs
+from treespec.batch_builder import build_decode_batch, build_extend_batch
+from treespec.mem.allocator import TokenToKVPoolAllocator
+from treespec.mem.balance import check_pool_balance
+from treespec.mem.chunk_cache import ChunkCache
+from treespec.mem.radix_cache import RadixCache
+from treespec.mem.req_to_token import ReqToTokenPool
+from treespec.model_loader import resolve_model_path
+from treespec.model_runner import ModelRunner
+from treespec.request import Req, RequestOutput
+from treespec.sampler import sample_next_tokens
+from treespec.sampling import InvalidRequest, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_TOKENS = 65536
+RESERVE_CAP = 256  # per request, at most this many future decode tokens are reserved at admission
+INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY = 0.7, 0.1, 0.001
+
+
+class Scheduler:
+    def __init__(self, args: ServerArgs) -> None:
+        args.validate()
+        self.args = args
+        self.device = args.resolved_device()
+        self.dtype = args.resolved_dtype(self.device)
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        self.model_dir = resolve_model_path(args.model_path)
+        pool_size = args.max_total_tokens or DEFAULT_KV_TOKENS
+        self.runner = ModelRunner(self.model_dir, self.dtype, self.device, pool_size, args.context_length)
+        self.model_config = self.runner.config
+        self.context_len = self.runner.context_len
+        self.vocab_size = self.model_config.vocab_size
+        self.req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.context_len + 8)
+        self.allocator = TokenToKVPoolAllocator(pool_size)
+        cache_cls = ChunkCache if args.disable_radix_cache else RadixCache
+        self.cache = cache_cls(self.req_to_token_pool, self.allocator)
+        self.tokenizer = None  # set by the owner when stop strings must be checked
+        self.eos_token_ids = tuple(self.model_config.eos_token_ids)
+
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness
+        self.stats = {"num_retractions": 0, "prompt_tokens": 0, "cached_tokens": 0,
+                      "generated_tokens": 0, "num_finished": 0}
+        self.start_time = time.time()
+        self._seed_counter = args.random_seed
+
+    # ------------------------------------------------------------------ requests in and out
+    def add_request(
+        self,
+        rid: str,
+        input_ids: list[int],
+        sampling_params: SamplingParams,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+    ) -> Req:
+        """Queue a tokenized request; raises InvalidRequest for requests that can never run."""
+        if not input_ids:
+            raise InvalidRequest("the prompt is empty")
+        if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in input_ids):
+            raise InvalidRequest(f"input_ids must be token ids in [0, {self.vocab_size})")
+        max_len = len(input_ids) + sampling_params.max_new_tokens
+        if len(input_ids) >= self.context_len:
+            raise InvalidRequest(
+                f"the prompt has {len(input_ids)} tokens, the context length is {self.context_len}"
+            )
+        if max_len > self.context_len:
+            raise InvalidRequest(
+                f"prompt ({len(input_ids)} tokens) + max_new_tokens ({sampling_params.max_new_tokens}) "
+                f"exceeds the context length {self.context_len}"
+            )
+        if max_len > self.allocator.size:
+            raise InvalidRequest(f"request needs up to {max_len} KV slots, the pool has {self.allocator.size}")
+        if top_logprobs_num < 0:
+            raise InvalidRequest("top_logprobs_num must be >= 0")
+        req = Req(rid, list(input_ids), sampling_params, return_logprob, top_logprobs_num,
+                  logprob_start_len, eos_token_ids=self.eos_token_ids)
+        self._seed_counter += 1
+        req.init_sampling_state(self.vocab_size, self._seed_counter)
+        self.waiting.append(req)
+        return req
+
+    def abort_request(self, rid: str) -> RequestOutput | None:
+        """Abort a request wherever it is; its KV goes back to the pool / cache at once."""
+        abort = {"type": "abort", "message": "aborted"}
+        for req in list(self.waiting):
+            if req.rid == rid:
+                self.waiting.remove(req)
+                req.finished_reason = abort
+                return req.take_output()
+        if self.chunked_req is not None and self.chunked_req.rid == rid:
+            req, self.chunked_req = self.chunked_req, None
+            req.finished_reason = abort
+            self._release(req)
+            return req.take_output()
+        for req in self.running:
+            if req.rid == rid:
+                self.running.remove(req)
+                req.finished_reason = abort
+                self._release(req)
+                return req.take_output()
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[RequestOutput]:
+        batch = self._pick_prefill()
+        if batch:
+            return self._run_prefill(*batch)
+        if self.running:
+            return self._run_decode()
+        return []
+
+    # ------------------------------------------------------------------ admission
+    def _reserved_tokens(self, req: Req) -> int:
+        remaining = req.sampling_params.max_new_tokens - len(req.output_ids)
+        return int(min(remaining, RESERVE_CAP) * self.new_token_ratio)
+
+    def _pick_prefill(self) -> tuple[list[Req], list[int]] | None:
+        budget = min(self.args.chunked_prefill_size, self.args.max_prefill_tokens)
+        reqs: list[Req] = []
+        lens: list[int] = []
+        if self.chunked_req is not None:
+            req, self.chunked_req = self.chunked_req, None
+            n = min(len(req.all_ids) - req.kv_len, budget)
+            if not self._alloc_ready(n):
+                self.chunked_req = req
+                return None
+            reqs.append(req)
+            lens.append(n)
+            budget -= n
+        if not self.waiting or budget <= 0:
+            return (reqs, lens) if reqs else None
+        free_req_slots = self.req_to_token_pool.available_size()
+        reserve = sum(self._reserved_tokens(r) for r in self.running)
+        candidates = list(self.waiting)
+        if self.args.schedule_policy == "lpm" and len(candidates) > 1:
+            lengths = {id(r): len(self.cache.match_prefix(r.all_ids[:-1]).prefix_indices) for r in candidates}
+            candidates.sort(key=lambda r: -lengths[id(r)])
+        for req in candidates:
+            if budget <= 0 or free_req_slots <= 0 or len(self.running) + len(reqs) >= self.args.max_running_requests:
+                break
+            fill = req.all_ids
+            match = self.cache.match_prefix(fill[:-1])  # always compute at least the last token
+            prefix_len = len(match.prefix_indices)
+            n = min(len(fill) - prefix_len, budget)
+            need = n + self._reserved_tokens(req) + reserve
+            self.cache.inc_lock_ref(match.last_node)
+            nothing_else = not self.running and not reqs
+            if not self._alloc_ready(need if not nothing_else else n):
+                self.cache.dec_lock_ref(match.last_node)
+                break
+            self.waiting.remove(req)
+            req.req_pool_idx = self.req_to_token_pool.alloc()
+            free_req_slots -= 1
+            req.prefix_indices, req.last_node = match.prefix_indices, match.last_node
+            self.req_to_token_pool.write(req.req_pool_idx, 0, match.prefix_indices)
+            req.kv_len = prefix_len
+            if not req.output_ids:
+                req.cached_tokens = prefix_len
+            reqs.append(req)
+            lens.append(n)
+            budget -= n
+            reserve += self._reserved_tokens(req)
+        return (reqs, lens) if reqs else None
+
+    def _alloc_ready(self, need: int) -> bool:
+        """Make `need` slots free (evicting cached prefixes if needed); False if impossible."""
+        free = self.allocator.available_size()
+        if free >= need:
+            return True
+        if free + self.cache.evictable_size() < need:
+            return False
+        self.cache.evict(need - free)
+        return self.allocator.available_size() >= need
+
+    # ------------------------------------------------------------------ prefill
+    def _run_prefill(self, reqs: list[Req], lens: list[int]) -> list[RequestOutput]:
+        out_loc = self.allocator.alloc(sum(lens))
+        logit_rows = []
+        for req, n in zip(reqs, lens, strict=True):
+            done = req.kv_len + n == len(req.all_ids)
+            rows = [n - 1] if done else []
+            if req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids:
+                # prompt logprobs: the logits at position p score token p + 1
+                first = max(req.logprob_start_len - req.kv_len, 0)
+                rows = sorted(set(range(first, n)) | set(rows))
+            logit_rows.append(rows)
+        batch = build_extend_batch(reqs, lens, out_loc, self.req_to_token_pool, logit_rows, self.device)
+        output = self.runner.forward(batch)
+        outputs: list[RequestOutput] = []
+        row = 0
+        finished_prefill: list[Req] = []
+        last_rows: list[int] = []
+        for req, n, rows in zip(reqs, lens, logit_rows, strict=True):
+            start = req.kv_len
+            req.kv_len += n
+            if rows and req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids:
+                self._record_input_logprobs(req, output.logits[row : row + len(rows)], start, rows)
+            done = req.kv_len == len(req.all_ids)
+            if done:
+                finished_prefill.append(req)
+                last_rows.append(row + len(rows) - 1)
+            else:
+                # chunk boundary: share what is computed so far and continue next step
+                self.cache.cache_unfinished_req(req, req.all_ids[: req.kv_len])
+                self.chunked_req = req
+            row += len(rows)
+        if finished_prefill:
+            logits = output.logits[torch.tensor(last_rows)]
+            outputs += self._sample_and_append(finished_prefill, logits)
+            for req in finished_prefill:
+                if not req.finished:
+                    self.running.append(req)
+        return outputs
+
+    def _record_input_logprobs(self, req: Req, logits: torch.Tensor, start: int, rows: list[int]) -> None:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        ids = req.all_ids
+        if start == 0 and req.logprob_start_len == 0:
+            req.input_token_logprobs.append((None, ids[0]))
+        for i, r in enumerate(rows):
+            pos = start + r + 1
+            if pos < len(req.origin_input_ids):
+                req.input_token_logprobs.append((float(logprobs[i, ids[pos]]), ids[pos]))
+
+    # ------------------------------------------------------------------ decode
+    def _run_decode(self) -> list[RequestOutput]:
+        self._make_room_for_decode(len(self.running))
+        reqs = self.running
+        out_loc = self.allocator.alloc(len(reqs))
+        batch = build_decode_batch(reqs, out_loc, self.req_to_token_pool, self.device)
+        output = self.runner.forward(batch)
+        for req in reqs:
+            req.kv_len += 1
+        outputs = self._sample_and_append(reqs, output.logits)
+        self.running = [r for r in reqs if not r.finished]
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        return outputs
+
+    def _make_room_for_decode(self, need: int) -> None:
+        """Retract running requests until `need` new slots fit; retracted ones resume later."""
+        while not self._alloc_ready(need):
+            if len(self.running) <= 1:
+                raise RuntimeError("KV pool too small for even one running request")
+            # retract the request that has made the least progress (its recompute is cheapest)
+            victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+            self.running.remove(victim)
+            self._release(victim)
+            victim.kv_len = 0
+            victim.num_retractions += 1
+            self.stats["num_retractions"] += 1
+            self.waiting.appendleft(victim)
+            need -= 1
+            self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
+
+    # ------------------------------------------------------------------ sampling and finishing
+    def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> list[RequestOutput]:
+        tokens, logprob_info = sample_next_tokens(reqs, logits)
+        outputs = []
+        for i, (req, tok) in enumerate(zip(reqs, tokens, strict=True)):
+            if req.return_logprob:
+                lp, top = logprob_info[i]
+                req.output_token_logprobs.append((lp, tok))
+                req.output_top_logprobs.append(top)
+            self.stats["generated_tokens"] += 1
+            if req.append_token(tok, self.tokenizer):
+                self._finish(req)
+            outputs.append(req.take_output())
+        return outputs
+
+    def _finish(self, req: Req) -> None:
+        self._release(req)
+        self.stats["num_finished"] += 1
+        self.stats["prompt_tokens"] += len(req.origin_input_ids)
+        self.stats["cached_tokens"] += req.cached_tokens
+
+    def _release(self, req: Req) -> None:
+        """Give the request's KV back: cacheable positions to the tree, the rest to the allocator."""
+        if req.req_pool_idx is None:
+            return
+        self.cache.cache_finished_req(req, req.all_ids[: req.kv_len])
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+
+    # ------------------------------------------------------------------ introspection
+    def check_pool_balance(self) -> None:
+        private = sum(self.cache.req_private_len(r, r.kv_len) for r in self._active_reqs())
+        check_pool_balance(self.allocator, self.cache, private, deep=not self.has_work())
+
+    def _active_reqs(self) -> list[Req]:
+        return self.running + ([self.chunked_req] if self.chunked_req else [])
+
+    def flush_cache(self) -> bool:
+        if self.has_work():
+            return False
+        self.cache.reset()
+        return True
+
+    def get_stats(self) -> dict:
+        prompt = self.stats["prompt_tokens"]
+        return {
+            **self.stats,
+            "num_running_reqs": len(self.running) + (1 if self.chunked_req else 0),
+            "num_waiting_reqs": len(self.waiting),
+            "max_total_num_tokens": self.allocator.size,
+            "free_tokens": self.allocator.available_size(),
+            "evictable_tokens": self.cache.evictable_size(),
+            "protected_tokens": self.cache.protected_size(),
+            "token_usage": 1 - (self.allocator.available_size() + self.cache.evictable_size()) / self.allocator.size,
+            "cache_hit_rate": self.stats["cached_tokens"] / prompt if prompt else 0.0,
+        }
