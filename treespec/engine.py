@@ -55,7 +55,9 @@ class Engine:
             prompts = [prompt] if single else list(prompt)
             id_lists = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         else:
-            single = bool(input_ids) and isinstance(input_ids[0], int)
+            if len(input_ids) == 0:
+                raise InvalidRequest("the prompt is empty")
+            single = isinstance(input_ids[0], int)
             id_lists = [list(input_ids)] if single else [list(x) for x in input_ids]
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(id_lists):

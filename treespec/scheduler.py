@@ -9,6 +9,7 @@ step of every running request.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 
@@ -31,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_KV_TOKENS = 65536
 RESERVE_CAP = 256  # per request, at most this many future decode tokens are reserved at admission
+IN_BATCH_PREFIX_MIN = 32  # defer a request sharing this many uncached tokens with the batch
 INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY = 0.7, 0.1, 0.001
 
 
@@ -50,8 +52,18 @@ class Scheduler:
         self.vocab_size = self.model_config.vocab_size
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.context_len + 8)
         self.allocator = TokenToKVPoolAllocator(pool_size)
-        cache_cls = ChunkCache if args.disable_radix_cache else RadixCache
-        self.cache = cache_cls(self.req_to_token_pool, self.allocator)
+        self.spec_enabled = args.speculative_algorithm != "NONE"
+        if args.disable_radix_cache:
+            self.cache = ChunkCache(self.req_to_token_pool, self.allocator)
+        else:
+            # EAGLE: the draft KV at position i depends on token i+1, so key the cache on bigrams
+            self.cache = RadixCache(self.req_to_token_pool, self.allocator, bigram_keys=self.spec_enabled)
+        self.spec_worker = None
+        if self.spec_enabled:
+            # --- speculative decoding hook (owned by treespec/spec/eagle_worker.py) ---
+            from treespec.spec.eagle_worker import EagleWorker
+
+            self.spec_worker = EagleWorker(args, self.runner, self.req_to_token_pool, self.allocator)
         self.tokenizer = None  # set by the owner when stop strings must be checked
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
 
@@ -60,7 +72,7 @@ class Scheduler:
         self.chunked_req: Req | None = None
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness
         self.stats = {"num_retractions": 0, "prompt_tokens": 0, "cached_tokens": 0,
-                      "generated_tokens": 0, "num_finished": 0}
+                      "generated_tokens": 0, "num_finished": 0, "prefill_tokens": 0}
         self.start_time = time.time()
         self._seed_counter = args.random_seed
 
@@ -128,10 +140,14 @@ class Scheduler:
     def step(self) -> list[RequestOutput]:
         batch = self._pick_prefill()
         if batch:
-            return self._run_prefill(*batch)
-        if self.running:
-            return self._run_decode()
-        return []
+            outputs = self._run_prefill(*batch)
+        elif self.running:
+            outputs = self._run_decode()
+        else:
+            return []
+        if not self.has_work():
+            self.check_pool_balance()  # the idle-time leak check (DESIGN §3)
+        return outputs
 
     # ------------------------------------------------------------------ admission
     def _reserved_tokens(self, req: Req) -> int:
@@ -157,16 +173,19 @@ class Scheduler:
         reserve = sum(self._reserved_tokens(r) for r in self.running)
         candidates = list(self.waiting)
         if self.args.schedule_policy == "lpm" and len(candidates) > 1:
-            lengths = {id(r): len(self.cache.match_prefix(r.all_ids[:-1]).prefix_indices) for r in candidates}
+            lengths = {id(r): len(self._match(r).prefix_indices) for r in candidates}
             candidates.sort(key=lambda r: -lengths[id(r)])
         for req in candidates:
             if budget <= 0 or free_req_slots <= 0 or len(self.running) + len(reqs) >= self.args.max_running_requests:
                 break
             fill = req.all_ids
-            match = self.cache.match_prefix(fill[:-1])  # always compute at least the last token
+            match = self._match(req)
             prefix_len = len(match.prefix_indices)
+            if self._shares_uncached_prefix(fill, prefix_len, reqs):
+                continue  # next step it hits the cache instead of computing the same prefix twice
             n = min(len(fill) - prefix_len, budget)
-            need = n + self._reserved_tokens(req) + reserve
+            # slots this batch will allocate, plus decode headroom for everything running
+            need = sum(lens) + n + self._reserved_tokens(req) + reserve
             self.cache.inc_lock_ref(match.last_node)
             nothing_else = not self.running and not reqs
             if not self._alloc_ready(need if not nothing_else else n):
@@ -186,6 +205,24 @@ class Scheduler:
             reserve += self._reserved_tokens(req)
         return (reqs, lens) if reqs else None
 
+    @staticmethod
+    def _shares_uncached_prefix(ids: list[int], cached_len: int, batch: list[Req]) -> bool:
+        """True if a request already in this prefill batch shares a longer prefix than the cache has."""
+        for other in batch:
+            common = len(os.path.commonprefix([ids, other.all_ids]))
+            if common >= IN_BATCH_PREFIX_MIN and common > cached_len + IN_BATCH_PREFIX_MIN:
+                return True
+        return False
+
+    def _match(self, req: Req):
+        """Cached prefix for a request, leaving at least its last token (and any prompt positions
+        whose logprobs were asked for) to compute. Bigram keys already stop one short."""
+        ids = req.all_ids
+        limit = len(ids) if getattr(self.cache, "bigram_keys", False) else len(ids) - 1
+        if req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids:
+            limit = min(limit, req.logprob_start_len)
+        return self.cache.match_prefix(ids[:limit])
+
     def _alloc_ready(self, need: int) -> bool:
         """Make `need` slots free (evicting cached prefixes if needed); False if impossible."""
         free = self.allocator.available_size()
@@ -199,6 +236,7 @@ class Scheduler:
     # ------------------------------------------------------------------ prefill
     def _run_prefill(self, reqs: list[Req], lens: list[int]) -> list[RequestOutput]:
         out_loc = self.allocator.alloc(sum(lens))
+        self.stats["prefill_tokens"] += sum(lens)
         logit_rows = []
         for req, n in zip(reqs, lens, strict=True):
             done = req.kv_len + n == len(req.all_ids)
@@ -209,7 +247,11 @@ class Scheduler:
                 rows = sorted(set(range(first, n)) | set(rows))
             logit_rows.append(rows)
         batch = build_extend_batch(reqs, lens, out_loc, self.req_to_token_pool, logit_rows, self.device)
-        output = self.runner.forward(batch)
+        if self.spec_worker is not None:
+            batch.capture_layers = self.spec_worker.target_capture_layers
+            output = self.runner.forward(batch, return_all_hidden=True)
+        else:
+            output = self.runner.forward(batch)
         outputs: list[RequestOutput] = []
         row = 0
         finished_prefill: list[Req] = []
@@ -219,21 +261,23 @@ class Scheduler:
             req.kv_len += n
             if rows and req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids:
                 self._record_input_logprobs(req, output.logits[row : row + len(rows)], start, rows)
-            done = req.kv_len == len(req.all_ids)
-            if done:
+            # share what is computed so far: later requests with the same prefix hit the cache
+            self.cache.cache_unfinished_req(req, req.all_ids[: req.kv_len])
+            if req.kv_len == len(req.all_ids):
                 finished_prefill.append(req)
                 last_rows.append(row + len(rows) - 1)
             else:
-                # chunk boundary: share what is computed so far and continue next step
-                self.cache.cache_unfinished_req(req, req.all_ids[: req.kv_len])
-                self.chunked_req = req
+                self.chunked_req = req  # chunk boundary: continue next step
             row += len(rows)
         if finished_prefill:
             logits = output.logits[torch.tensor(last_rows)]
             outputs += self._sample_and_append(finished_prefill, logits)
-            for req in finished_prefill:
-                if not req.finished:
-                    self.running.append(req)
+        if self.spec_worker is not None:
+            # draft extend over the same tokens (a finished request's KV is already released)
+            self.spec_worker.after_prefill(reqs, lens, batch, output)
+        for req in finished_prefill:
+            if not req.finished:
+                self.running.append(req)
         return outputs
 
     def _record_input_logprobs(self, req: Req, logits: torch.Tensor, start: int, rows: list[int]) -> None:
@@ -248,6 +292,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ decode
     def _run_decode(self) -> list[RequestOutput]:
+        if self.spec_worker is not None:
+            return self._run_spec_decode()
         self._make_room_for_decode(len(self.running))
         reqs = self.running
         out_loc = self.allocator.alloc(len(reqs))
@@ -259,6 +305,45 @@ class Scheduler:
         self.running = [r for r in reqs if not r.finished]
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return outputs
+
+    def _run_spec_decode(self) -> list[RequestOutput]:
+        """One speculative step (draft, verify, draft extend) for every running request; accepted
+        tokens are appended one at a time so stop rules cut exactly where plain decoding would."""
+        # Room for a plain step per request at least (retracting if even that does not fit), and for
+        # full trees if evicting cached prefixes gets there; the worker shrinks its trees to what is free.
+        self._make_room_for_decode(len(self.running))
+        short = len(self.running) * self.spec_worker.slots_per_request - self.allocator.available_size()
+        if short > 0:
+            self.cache.evict(short)
+        reqs = self.running
+        accepted = self.spec_worker.decode_step(reqs)  # kv_len and req_to_token updated by the worker
+        logprobs = self.spec_worker.last_logprobs
+        outputs = []
+        for req, tokens, token_logprobs in zip(reqs, accepted, logprobs, strict=True):
+            req.spec_verify_ct += 1
+            for i, tok in enumerate(tokens):
+                if token_logprobs is not None:
+                    req.output_token_logprobs.append((token_logprobs[i][0], tok))
+                    req.output_top_logprobs.append(token_logprobs[i][1])
+                self.stats["generated_tokens"] += 1
+                req.spec_accepted_tokens += 1
+                if req.append_token(tok, self.tokenizer):
+                    break
+            self._truncate_kv(req)
+            if req.finished:
+                self._finish(req)
+            outputs.append(req.take_output())
+        self.running = [r for r in reqs if not r.finished]
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        return outputs
+
+    def _truncate_kv(self, req: Req) -> None:
+        """Free KV of accepted tokens that a stop rule dropped: KV covers all_ids[:-1] at most."""
+        keep = req.seq_len - 1
+        if req.kv_len > keep:
+            row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+            self.allocator.free(row[keep : req.kv_len].to(torch.int64))
+            req.kv_len = keep
 
     def _make_room_for_decode(self, need: int) -> None:
         """Retract running requests until `need` new slots fit; retracted ones resume later."""

@@ -42,6 +42,7 @@ class TorchAttnBackend:
         bs = len(qo) - 1
         self.bs = bs
         self.num_tokens = qo[-1]
+        self._tiled = None
         masks = request_masks(meta)
         if bs == 1:
             self.kv_index = meta.kv_indices
@@ -75,28 +76,38 @@ class TorchAttnBackend:
     def forward(
         self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """q: [num_tokens, H, D]; buffers: [slots, Hkv, D]. Returns [num_tokens, H, D]."""
-        num_heads = q.shape[1]
+        """q: [num_tokens, H, D]; buffers: [slots, Hkv, D]. Returns [num_tokens, H, D].
+
+        Grouped-query attention without repeating K/V: the G query heads that share a KV head are
+        folded into the query-length axis ([Hkv, G * q_len, D]) and the mask is tiled to match."""
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k_buffer.shape[1]
+        group = num_heads // num_kv_heads
         if self.bs == 1:
-            k = k_buffer[self.kv_index].transpose(0, 1).unsqueeze(0)
-            v = v_buffer[self.kv_index].transpose(0, 1).unsqueeze(0)
-            qh = q.transpose(0, 1).unsqueeze(0)
-            out = _sdpa(qh, k, v, self.mask, scale, num_heads)
-            return out[0].transpose(0, 1)
-        k = k_buffer[self.kv_index].transpose(1, 2)  # [bs, Hkv, max_kv, D]
-        v = v_buffer[self.kv_index].transpose(1, 2)
-        if self.uniform_q:
-            qh = q.view(self.bs, -1, num_heads, q.shape[-1]).transpose(1, 2)
-            out = _sdpa(qh, k, v, self.mask, scale, num_heads)
-            return out.transpose(1, 2).reshape(q.shape)
-        qh = q[self.q_row].transpose(1, 2)  # [bs, H, max_q, D]
-        out = _sdpa(qh, k, v, self.mask, scale, num_heads).transpose(1, 2)
-        return out.reshape(-1, num_heads, q.shape[-1])[self.q_valid_flat]
+            k = k_buffer.index_select(0, self.kv_index).transpose(0, 1).unsqueeze(0)
+            v = v_buffer.index_select(0, self.kv_index).transpose(0, 1).unsqueeze(0)
+            qh = q.view(num_tokens, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+            qh = qh.reshape(1, num_kv_heads, group * num_tokens, head_dim)
+            out = F.scaled_dot_product_attention(qh, k, v, attn_mask=self._group_mask(group), scale=scale)
+            out = out.view(num_kv_heads, group, num_tokens, head_dim).permute(2, 0, 1, 3)
+            return out.reshape(num_tokens, num_heads, head_dim)
+        bs, max_kv = self.kv_index.shape
+        flat = self.kv_index.view(-1)
+        k = k_buffer.index_select(0, flat).view(bs, max_kv, num_kv_heads, head_dim).transpose(1, 2)
+        v = v_buffer.index_select(0, flat).view(bs, max_kv, num_kv_heads, head_dim).transpose(1, 2)
+        qp = q.view(bs, -1, num_heads, head_dim) if self.uniform_q else q[self.q_row]  # [bs, max_q, H, D]
+        max_q = qp.shape[1]
+        qh = qp.view(bs, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        qh = qh.reshape(bs, num_kv_heads, group * max_q, head_dim)
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=self._group_mask(group), scale=scale)
+        out = out.view(bs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
+        out = out.reshape(bs * max_q, num_heads, head_dim)
+        return out if self.uniform_q else out[self.q_valid_flat]
 
-
-def _sdpa(q, k, v, mask, scale, num_heads):
-    if k.shape[1] != num_heads:
-        rep = num_heads // k.shape[1]
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    def _group_mask(self, group: int) -> torch.Tensor | None:
+        """The [.., q_len, kv_len] mask tiled over the G folded heads (cached per forward)."""
+        if self.mask is None:
+            return None
+        if self._tiled is None or self._tiled[0] != group:
+            self._tiled = (group, self.mask.repeat(1, 1, group, 1))
+        return self._tiled[1]

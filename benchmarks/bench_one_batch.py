@@ -1,0 +1,101 @@
+"""Static-batch latency: prefill and decode tokens/s of treespec vs transformers' generate, side by
+side in one run, on the same model, dtype and prompts.
+
+    python benchmarks/bench_one_batch.py                      # default model, fp32 + bf16, bs 1 and 8
+    python benchmarks/bench_one_batch.py --dtypes float32 --batch-sizes 1 --output-len 32
+
+Prints a table and writes JSON (one object per (dtype, batch size) row) to --json.
+Decode tokens/s = batch * (output_len - 1) / (time(output_len tokens) - time(1 token)), so the
+prefill is subtracted out; each number is the median of --repeats runs, ours and transformers'
+interleaved so that machine noise hits both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def time_ours(engine, prompts: list[list[int]], new_tokens: int) -> float:
+    params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    start = time.perf_counter()
+    engine.generate(input_ids=prompts, sampling_params=params)
+    return time.perf_counter() - start
+
+
+def time_hf(model, prompts: list[list[int]], new_tokens: int) -> float:
+    ids = torch.tensor(prompts)
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", default=None)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", default="bench_one_batch.json")
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    from treespec.engine import Engine
+
+    rows = []
+    for dtype in args.dtypes.split(","):
+        engine = Engine(model_path=args.model_path, dtype=dtype, disable_radix_cache=True, max_total_tokens=16384)
+        hf = AutoModelForCausalLM.from_pretrained(engine.scheduler.model_dir, dtype=getattr(torch, dtype)).eval()
+        vocab = engine.scheduler.vocab_size
+        for bs in [int(b) for b in args.batch_sizes.split(",")]:
+            gen = torch.Generator().manual_seed(bs)
+            prompts = torch.randint(100, vocab, (bs, args.input_len), generator=gen).tolist()
+            time_ours(engine, prompts, 2)  # warm-up
+            time_hf(hf, prompts, 2)
+            t = {"ours_1": [], "ours_n": [], "hf_1": [], "hf_n": []}
+            for _ in range(args.repeats):
+                t["ours_1"].append(time_ours(engine, prompts, 1))
+                t["hf_1"].append(time_hf(hf, prompts, 1))
+                t["ours_n"].append(time_ours(engine, prompts, args.output_len))
+                t["hf_n"].append(time_hf(hf, prompts, args.output_len))
+            med = {k: statistics.median(v) for k, v in t.items()}
+            decoded = bs * (args.output_len - 1)
+            row = {
+                "dtype": dtype, "batch_size": bs, "input_len": args.input_len, "output_len": args.output_len,
+                "threads": torch.get_num_threads(),
+                "treespec_prefill_tok_s": bs * args.input_len / med["ours_1"],
+                "hf_prefill_tok_s": bs * args.input_len / med["hf_1"],
+                "treespec_decode_tok_s": decoded / max(med["ours_n"] - med["ours_1"], 1e-9),
+                "hf_decode_tok_s": decoded / max(med["hf_n"] - med["hf_1"], 1e-9),
+            }
+            row["decode_speedup"] = row["treespec_decode_tok_s"] / row["hf_decode_tok_s"]
+            row["prefill_speedup"] = row["treespec_prefill_tok_s"] / row["hf_prefill_tok_s"]
+            rows.append(row)
+            print_row(row)
+        del engine, hf
+    with open(args.json, "w") as f:
+        json.dump(rows, f, indent=2)
+    print(f"\nwrote {args.json}")
+
+
+def print_row(row: dict) -> None:
+    if not getattr(print_row, "header", False):
+        print(f"{'dtype':>9} {'bs':>3} | {'prefill tok/s':>27} | {'decode tok/s':>27}")
+        print(f"{'':>9} {'':>3} | {'treespec':>9} {'hf':>8} {'ratio':>7} | {'treespec':>9} {'hf':>8} {'ratio':>7}")
+        print_row.header = True
+    print(f"{row['dtype']:>9} {row['batch_size']:>3} | {row['treespec_prefill_tok_s']:9.1f} {row['hf_prefill_tok_s']:8.1f} "
+          f"{row['prefill_speedup']:6.2f}x | {row['treespec_decode_tok_s']:9.1f} {row['hf_decode_tok_s']:8.1f} "
+          f"{row['decode_speedup']:6.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()

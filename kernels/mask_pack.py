@@ -1,0 +1,94 @@
+"""Segment-wise bit packing of boolean attention masks (FlashInfer `custom_mask` format).
+
+A batch's custom mask is one flat bool tensor: request b owns `mask[indptr[b]:indptr[b+1]]`, the
+row-major flattening of its [qo_len_b, kv_len_b] matrix (True = may attend). Packing keeps requests
+apart: segment b becomes ceil(len_b / 8) bytes, little bit order (bit j of byte i holds element
+8*i + j of the segment), the last byte zero-padded. `packed_indptr` holds the byte offsets, i.e. the
+`mask_indptr` that FlashInfer's prefill wrapper takes together with the packed mask.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton_utils import use_triton
+
+
+def packed_segment_indptr(indptr: torch.Tensor) -> torch.Tensor:
+    """Byte offsets [B+1] (same dtype as indptr) of the packed segments."""
+    lengths = indptr[1:] - indptr[:-1]
+    packed_lengths = (lengths + 7) // 8
+    out = torch.zeros_like(indptr)
+    torch.cumsum(packed_lengths, 0, out=out[1:])
+    return out
+
+
+def segment_packbits_torch(mask: torch.Tensor, indptr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference implementation of `segment_packbits` (any device)."""
+    packed_indptr = packed_segment_indptr(indptr)
+    total_bytes = int(packed_indptr[-1])
+    lengths = indptr[1:] - indptr[:-1]
+    segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=mask.device), lengths)
+    local = torch.arange(mask.numel(), device=mask.device) - indptr[:-1].to(mask.device)[segment]
+    byte_index = packed_indptr[:-1].to(mask.device)[segment] + local // 8
+    bit_values = mask.to(torch.int32) << (local % 8).to(torch.int32)
+    packed = torch.zeros(total_bytes, dtype=torch.int32, device=mask.device)
+    packed.index_add_(0, byte_index, bit_values)
+    return packed.to(torch.uint8), packed_indptr
+
+
+@triton.jit
+def _segment_packbits_kernel(mask_ptr, indptr_ptr, packed_indptr_ptr, packed_ptr, BLOCK_BYTES: tl.constexpr):
+    seg = tl.program_id(0)
+    start = tl.load(indptr_ptr + seg)
+    length = tl.load(indptr_ptr + seg + 1) - start
+    out_start = tl.load(packed_indptr_ptr + seg)
+    num_bytes = (length + 7) // 8
+    bit = tl.arange(0, 8)
+    for first_byte in range(0, num_bytes, BLOCK_BYTES):
+        byte = first_byte + tl.arange(0, BLOCK_BYTES)
+        element = byte[:, None] * 8 + bit[None, :]
+        bits = tl.load(mask_ptr + start + element, mask=element < length, other=0).to(tl.int32)
+        value = tl.sum(bits << bit[None, :], axis=1)
+        tl.store(packed_ptr + out_start + byte, value.to(tl.uint8), mask=byte < num_bytes)
+
+
+def segment_packbits_triton(
+    mask: torch.Tensor, indptr: torch.Tensor, packed_indptr: torch.Tensor | None = None, total_bytes: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton implementation; pass `packed_indptr` and `total_bytes` to avoid a device-to-host sync."""
+    if packed_indptr is None:
+        packed_indptr = packed_segment_indptr(indptr)
+    if total_bytes is None:
+        total_bytes = int(packed_indptr[-1])
+    packed = torch.empty(total_bytes, dtype=torch.uint8, device=mask.device)
+    num_segments = indptr.numel() - 1
+    if num_segments > 0 and total_bytes > 0:
+        mask_u8 = mask.view(torch.uint8) if mask.dtype == torch.bool else mask.to(torch.uint8)
+        _segment_packbits_kernel[(num_segments,)](mask_u8, indptr, packed_indptr, packed, BLOCK_BYTES=128)
+    return packed, packed_indptr
+
+
+def segment_packbits(mask: torch.Tensor, indptr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack a flat bool mask [N] segment by segment (`indptr` [B+1], int32/int64, indptr[-1] == N).
+
+    Returns `(packed uint8 [sum_b ceil(len_b/8)], packed_indptr [B+1] (indptr's dtype))`.
+    Triton on CUDA, torch otherwise.
+    """
+    if use_triton(mask, indptr):
+        return segment_packbits_triton(mask, indptr)
+    return segment_packbits_torch(mask, indptr)
+
+
+def segment_unpackbits(packed: torch.Tensor, packed_indptr: torch.Tensor, indptr: torch.Tensor) -> torch.Tensor:
+    """Inverse of `segment_packbits` (torch): bool [indptr[-1]] from the packed bytes.
+
+    The torch attention backend uses it to recover each request's [qo_len, kv_len] mask.
+    """
+    lengths = indptr[1:] - indptr[:-1]
+    total = int(indptr[-1])
+    segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=packed.device), lengths)
+    local = torch.arange(total, device=packed.device) - indptr[:-1].to(packed.device)[segment]
+    byte_index = packed_indptr[:-1].to(packed.device)[segment] + local // 8
+    bytes_ = packed.to(torch.int32)[byte_index]
+    return ((bytes_ >> (local % 8).to(torch.int32)) & 1).to(torch.bool)

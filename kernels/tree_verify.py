@@ -1,0 +1,127 @@
+"""Greedy verification of a draft tree against the target's argmax.
+
+Shared contract of `verify_tree_greedy` and `tree_speculative_sampling_target_only`
+(bs requests, n tree nodes per request, D = max_depth = the drafting num_steps):
+  * `candidates` int64 [bs, n]: token of every node (node 0 = the root, the last verified token).
+  * `retrive_index`, `retrive_next_token`, `retrive_next_sibling` int64 [bs, n]: as from `build_tree`
+    (retrive_index[b, t] is node t's row in the flattened verify batch, normally b*n + t).
+Outputs:
+  * `predicts` int64 [bs*n]: at the verify row of every accepted node (the root included), the token
+    emitted after it: the next accepted draft token, or for the last accepted node the bonus token.
+    Other entries are 0. `predicts[accept_index[b, :k+1]]` is the k+1 tokens request b emits.
+  * `accept_index` int64 [bs, D+1]: verify rows (retrive_index values) of the accepted path, root first,
+    -1 padded; the accepted node ids are `accept_index % n` where valid.
+  * `accept_token_num` int64 [bs]: number of accepted draft tokens k (root and bonus excluded).
+The walk starts at the root and goes at most D levels deep; children are tried in linked-list order.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton_utils import use_triton
+
+VerifyOutputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def allocate_verify_outputs(bs: int, n: int, max_depth: int, device: torch.device) -> VerifyOutputs:
+    predicts = torch.zeros(bs * n, dtype=torch.int64, device=device)
+    accept_index = torch.full((bs, max_depth + 1), -1, dtype=torch.int64, device=device)
+    accept_token_num = torch.zeros(bs, dtype=torch.int64, device=device)
+    return predicts, accept_index, accept_token_num
+
+
+def verify_tree_greedy_torch(
+    candidates: torch.Tensor, retrive_index: torch.Tensor, retrive_next_token: torch.Tensor,
+    retrive_next_sibling: torch.Tensor, target_predict: torch.Tensor, max_depth: int,
+) -> VerifyOutputs:
+    bs, n = candidates.shape
+    predicts, accept_index, accept_token_num = allocate_verify_outputs(bs, n, max_depth, candidates.device)
+    batch = torch.arange(bs, device=candidates.device)
+    last = torch.zeros(bs, dtype=torch.int64, device=candidates.device)
+    walking = torch.ones(bs, dtype=torch.bool, device=candidates.device)
+    accept_index[:, 0] = retrive_index[:, 0]
+    for depth in range(1, max_depth + 1):
+        target = target_predict[batch, last]
+        cur = torch.where(walking, retrive_next_token[batch, last], -1)
+        chosen = torch.full_like(cur, -1)
+        while bool((cur >= 0).any()):
+            live = cur >= 0
+            hit = live & (candidates[batch, cur.clamp(min=0)] == target)
+            chosen = torch.where(hit, cur, chosen)
+            cur = torch.where(live & ~hit, retrive_next_sibling[batch, cur.clamp(min=0)], -1)
+        matched = chosen >= 0
+        if not bool(matched.any()):
+            break
+        predicts[retrive_index[batch, last][matched]] = target[matched]
+        accept_index[matched, depth] = retrive_index[batch, chosen.clamp(min=0)][matched]
+        accept_token_num += matched
+        last = torch.where(matched, chosen, last)
+        walking = matched
+    predicts[retrive_index[batch, last]] = target_predict[batch, last]
+    return predicts, accept_index, accept_token_num
+
+
+@triton.jit
+def _verify_tree_greedy_kernel(
+    predicts_ptr, accept_index_ptr, accept_token_num_ptr, candidates_ptr, retrive_index_ptr,
+    retrive_next_token_ptr, retrive_next_sibling_ptr, target_predict_ptr, num_nodes, max_depth,
+):
+    b = tl.program_id(0)
+    base = b * num_nodes
+    tl.store(accept_index_ptr + b * (max_depth + 1), tl.load(retrive_index_ptr + base))
+    last = 0
+    walking = 1
+    accepted = 0
+    for depth in range(1, max_depth + 1):
+        target = tl.load(target_predict_ptr + base + last)
+        cur = tl.load(retrive_next_token_ptr + base + last).to(tl.int32)
+        cur = tl.where(walking != 0, cur, -1)
+        chosen = -1
+        while cur != -1:
+            hit = tl.load(candidates_ptr + base + cur) == target
+            chosen = tl.where(hit, cur, chosen)
+            nxt = tl.load(retrive_next_sibling_ptr + base + cur).to(tl.int32)
+            cur = tl.where(hit, -1, nxt)
+        matched = chosen >= 0
+        safe_chosen = tl.maximum(chosen, 0)
+        tl.store(predicts_ptr + tl.load(retrive_index_ptr + base + last), target, mask=matched)
+        tl.store(accept_index_ptr + b * (max_depth + 1) + depth, tl.load(retrive_index_ptr + base + safe_chosen),
+                 mask=matched)
+        accepted += matched.to(tl.int32)
+        last = tl.where(matched, chosen, last)
+        walking = walking * matched.to(tl.int32)
+    tl.store(predicts_ptr + tl.load(retrive_index_ptr + base + last), tl.load(target_predict_ptr + base + last))
+    tl.store(accept_token_num_ptr + b, accepted.to(tl.int64))
+
+
+def verify_tree_greedy_triton(
+    candidates: torch.Tensor, retrive_index: torch.Tensor, retrive_next_token: torch.Tensor,
+    retrive_next_sibling: torch.Tensor, target_predict: torch.Tensor, max_depth: int,
+) -> VerifyOutputs:
+    bs, n = candidates.shape
+    outputs = allocate_verify_outputs(bs, n, max_depth, candidates.device)
+    if bs > 0:
+        _verify_tree_greedy_kernel[(bs,)](
+            *outputs, candidates.to(torch.int64).contiguous(), retrive_index.contiguous(),
+            retrive_next_token.contiguous(), retrive_next_sibling.contiguous(),
+            target_predict.to(torch.int64).contiguous(), n, max_depth,
+        )
+    return outputs
+
+
+def verify_tree_greedy(
+    candidates: torch.Tensor, retrive_index: torch.Tensor, retrive_next_token: torch.Tensor,
+    retrive_next_sibling: torch.Tensor, target_predict: torch.Tensor, max_depth: int,
+) -> VerifyOutputs:
+    """Accept the child whose token equals the target argmax at the current node, repeatedly.
+
+    `target_predict` int64 [bs, n]: argmax of the target logits at every node's verify row
+    (row retrive_index[b, t]), laid out like candidates. The bonus token is the target argmax at the
+    last accepted node. Returns `(predicts, accept_index, accept_token_num)` (module docstring).
+    """
+    if use_triton(candidates, retrive_index, target_predict):
+        return verify_tree_greedy_triton(candidates, retrive_index, retrive_next_token, retrive_next_sibling,
+                                         target_predict, max_depth)
+    return verify_tree_greedy_torch(candidates, retrive_index, retrive_next_token, retrive_next_sibling,
+                                    target_predict, max_depth)

@@ -1,0 +1,59 @@
+import torch
+
+from treespec.kernels.mask_pack import (
+    packed_segment_indptr,
+    segment_packbits,
+    segment_packbits_torch,
+    segment_packbits_triton,
+    segment_unpackbits,
+)
+
+
+def random_segments(generator: torch.Generator, num_segments: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = torch.randint(0, max_len, (num_segments,), generator=generator)
+    indptr = torch.zeros(num_segments + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=indptr[1:])
+    mask = torch.rand(int(indptr[-1]), generator=generator) < 0.5
+    return mask, indptr
+
+
+def test_hand_checked_little_bit_order():
+    # segment 0: 10 elements -> 2 bytes; segment 1: 3 elements -> 1 byte
+    seg0 = [1, 0, 0, 0, 0, 0, 0, 1, 0, 1]  # byte 0: bits 0 and 7 -> 0x81; byte 1: bit 1 -> 0x02
+    seg1 = [0, 1, 1]  # bits 1, 2 -> 0x06
+    mask = torch.tensor(seg0 + seg1, dtype=torch.bool)
+    indptr = torch.tensor([0, 10, 13])
+    packed, packed_indptr = segment_packbits(mask, indptr)
+    assert packed.dtype == torch.uint8
+    assert packed.tolist() == [0x81, 0x02, 0x06]
+    assert packed_indptr.tolist() == [0, 2, 3]
+    assert segment_unpackbits(packed, packed_indptr, indptr).tolist() == mask.tolist()
+
+
+def test_tree_mask_row_major_example():
+    # one request, 2 query rows x 3 kv columns, row-major: [[1,1,0],[1,0,1]] -> bits 0,1,3,5 -> 0x2B
+    mask = torch.tensor([1, 1, 0, 1, 0, 1], dtype=torch.bool)
+    packed, packed_indptr = segment_packbits(mask, torch.tensor([0, 6], dtype=torch.int32))
+    assert packed.tolist() == [0x2B]
+    assert packed_indptr.tolist() == [0, 1]
+    assert packed_indptr.dtype == torch.int32
+
+
+def test_round_trip_and_empty_segments():
+    generator = torch.Generator().manual_seed(0)
+    for num_segments in (1, 3, 17):
+        mask, indptr = random_segments(generator, num_segments, 70)
+        packed, packed_indptr = segment_packbits_torch(mask, indptr)
+        assert packed.numel() == int(((indptr[1:] - indptr[:-1] + 7) // 8).sum())
+        assert torch.equal(packed_indptr, packed_segment_indptr(indptr))
+        assert torch.equal(segment_unpackbits(packed, packed_indptr, indptr), mask)
+
+
+def test_triton_matches_torch(triton_device: str):
+    generator = torch.Generator().manual_seed(1)
+    for num_segments, max_len in ((1, 9), (4, 300), (6, 2000)):
+        mask, indptr = random_segments(generator, num_segments, max_len)
+        expected = segment_packbits_torch(mask, indptr)
+        got = [t.cpu() for t in segment_packbits_triton(mask.to(triton_device), indptr.to(triton_device))]
+        assert torch.equal(got[0], expected[0])
+        assert torch.equal(got[1], expected[1])
