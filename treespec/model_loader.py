@@ -134,7 +134,7 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
     for t in reader.tensors:
         data = dequantize(t.data, t.tensor_type)
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-        w = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).reshape(shape)
+        w = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)  # a writable copy
         if t.name == "token_embd.weight":
             tensors["model.embed_tokens.weight"] = w
         elif t.name == "output_norm.weight":

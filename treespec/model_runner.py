@@ -14,11 +14,14 @@ from treespec.models.config import ModelConfig
 from treespec.models.llama import LlamaForCausalLM
 
 
-def create_attn_backend(device: torch.device):
-    if device.type == "cuda":
-        from treespec.attention.flashinfer_backend import FlashInferAttnBackend
-
-        return FlashInferAttnBackend(device)
+def create_attn_backend(device: torch.device, cfg: ModelConfig | None = None, dtype: torch.dtype | None = None):
+    """FlashInfer on CUDA (when installed), the torch reference backend everywhere else."""
+    if device.type == "cuda" and cfg is not None:
+        try:
+            from treespec.attention.flashinfer_backend import FlashInferAttnBackend
+        except ImportError:
+            return TorchAttnBackend(device)
+        return FlashInferAttnBackend(device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype)
     return TorchAttnBackend(device)
 
 
@@ -47,7 +50,7 @@ class ModelRunner:
         self.kv_pool = KVPool(
             kv_pool_size, self.config.num_layers, self.config.num_kv_heads, self.config.head_dim, dtype, device
         )
-        self.attn_backend = create_attn_backend(device)
+        self.attn_backend = create_attn_backend(device, self.config, dtype)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, return_all_hidden: bool = False) -> ModelOutput:

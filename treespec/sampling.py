@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 import torch
 
 
+GREEDY_TEMPERATURE = 1e-6  # below this a temperature means argmax
+
+
 class InvalidRequest(ValueError):
     """A request a user got wrong; servers answer it with HTTP 400."""
 
@@ -85,39 +88,41 @@ class SamplingParams:
 
 
 def apply_sampling_filters(
-    logits: torch.Tensor,
-    temperatures: torch.Tensor,
-    top_ks: torch.Tensor,
-    top_ps: torch.Tensor,
+    logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
     min_ps: torch.Tensor,
 ) -> torch.Tensor:
-    """Probabilities after temperature, top-k, top-p and min-p (in that order), renormalised.
+    """Per-row sampling distribution, float32 [rows, vocab] (rows sum to 1).
 
-    logits [bs, V] fp32; temperatures [bs] (> 0); top_ks [bs] int (<= 0 or >= V = off);
-    top_ps [bs]; min_ps [bs]. Plain sampling and speculative verification share this function,
-    which is what makes speculative sampling reproduce the plain distribution.
+    logits [rows, vocab]; temperatures, top_ps, min_ps float [rows]; top_ks int [rows].
+    Order: temperature -> softmax -> top-k (k <= 0 or k >= vocab: off; the k most likely tokens, ties
+    to the smaller id) -> renormalise -> top-p (the smallest most-likely-first set whose mass reaches
+    top_p; the most likely token always stays; top_p >= 1: off) -> min-p (drop tokens below
+    min_p * max prob) -> renormalise. A temperature below 1e-6 gives the one-hot argmax (greedy).
     """
-    probs = torch.softmax(logits / temperatures.unsqueeze(1), dim=-1)
-    vocab = probs.shape[-1]
-    need_topk = bool(((top_ks > 0) & (top_ks < vocab)).any())
-    need_topp = bool((top_ps < 1).any())
-    if need_topk or need_topp:
-        sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=probs.device).unsqueeze(0)
-        k = torch.where(top_ks > 0, top_ks, vocab).clamp(max=vocab).unsqueeze(1)
-        drop = ranks >= k
-        # top-p over the top-k survivors: drop a token when the mass before it already reaches top_p.
-        kept = sorted_p.masked_fill(drop, 0.0)
+    rows, vocab = logits.shape
+    greedy = temperatures < GREEDY_TEMPERATURE
+    safe_temps = torch.where(greedy, torch.ones_like(temperatures), temperatures).to(torch.float32)
+    probs = torch.softmax(logits.float() / safe_temps[:, None], dim=-1)
+    top_ks = top_ks.to(torch.int64)
+    use_top_k = (top_ks > 0) & (top_ks < vocab)
+    use_top_p = top_ps < 1.0
+    if bool((use_top_k | use_top_p).any()):
+        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+        rank = torch.arange(vocab, device=logits.device)
+        keep = ~use_top_k[:, None] | (rank[None, :] < top_ks[:, None])
+        kept = torch.where(keep, sorted_probs, 0.0)
         kept = kept / kept.sum(-1, keepdim=True)
         mass_before = kept.cumsum(-1) - kept
-        drop |= mass_before >= top_ps.unsqueeze(1)
-        drop[:, 0] = False
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(1, sorted_idx, sorted_p)
+        keep &= ~use_top_p[:, None] | (mass_before < top_ps[:, None]) | (rank[None, :] == 0)
+        probs = torch.where(torch.zeros_like(keep).scatter(1, order, keep), probs, 0.0)
     if bool((min_ps > 0).any()):
-        threshold = probs.max(dim=-1, keepdim=True).values * min_ps.unsqueeze(1)
-        probs = probs.masked_fill(probs < threshold, 0.0)
-    return probs / probs.sum(-1, keepdim=True)
+        threshold = min_ps[:, None].to(torch.float32) * probs.amax(-1, keepdim=True)
+        probs = torch.where(probs >= threshold, probs, 0.0)
+    probs = probs / probs.sum(-1, keepdim=True)
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    return probs
 
 
 def apply_penalties(

@@ -72,7 +72,8 @@ class Scheduler:
         self.chunked_req: Req | None = None
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness
         self.stats = {"num_retractions": 0, "prompt_tokens": 0, "cached_tokens": 0,
-                      "generated_tokens": 0, "num_finished": 0, "prefill_tokens": 0}
+                      "generated_tokens": 0, "num_finished": 0, "prefill_tokens": 0,
+                      "spec_verify_ct": 0, "spec_emitted_tokens": 0}
         self.start_time = time.time()
         self._seed_counter = args.random_seed
 
@@ -181,7 +182,7 @@ class Scheduler:
             fill = req.all_ids
             match = self._match(req)
             prefix_len = len(match.prefix_indices)
-            if self._shares_uncached_prefix(fill, prefix_len, reqs):
+            if isinstance(self.cache, RadixCache) and self._shares_uncached_prefix(fill, prefix_len, reqs):
                 continue  # next step it hits the cache instead of computing the same prefix twice
             n = min(len(fill) - prefix_len, budget)
             # slots this batch will allocate, plus decode headroom for everything running
@@ -321,11 +322,13 @@ class Scheduler:
         outputs = []
         for req, tokens, token_logprobs in zip(reqs, accepted, logprobs, strict=True):
             req.spec_verify_ct += 1
+            self.stats["spec_verify_ct"] += 1
             for i, tok in enumerate(tokens):
                 if token_logprobs is not None:
                     req.output_token_logprobs.append((token_logprobs[i][0], tok))
                     req.output_top_logprobs.append(token_logprobs[i][1])
                 self.stats["generated_tokens"] += 1
+                self.stats["spec_emitted_tokens"] += 1
                 req.spec_accepted_tokens += 1
                 if req.append_token(tok, self.tokenizer):
                     break
@@ -416,4 +419,9 @@ class Scheduler:
             "protected_tokens": self.cache.protected_size(),
             "token_usage": 1 - (self.allocator.available_size() + self.cache.evictable_size()) / self.allocator.size,
             "cache_hit_rate": self.stats["cached_tokens"] / prompt if prompt else 0.0,
+            "speculative_algorithm": self.args.speculative_algorithm,
+            # tokens emitted per verify step (accepted drafts + the bonus token), since start
+            "avg_spec_accept_length": (
+                self.stats["spec_emitted_tokens"] / self.stats["spec_verify_ct"] if self.stats["spec_verify_ct"] else 0.0
+            ),
         }

@@ -28,13 +28,17 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, ctx) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
+            qk = torch.cat([self.q_norm(q.reshape(-1, self.num_heads, self.head_dim)),
+                            self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))], dim=1)
+        else:
+            # q and k are adjacent in the fused output: rotate both heads at once
+            qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rope(qk, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         ctx.kv_pool.set_kv(self.layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = ctx.kv_pool.get_kv(self.layer_id)
         out = ctx.attn_backend.forward(q, k_buf, v_buf, self.scale)

@@ -14,46 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from treespec.kernels import tree_speculative_sampling_target_only, verify_tree_greedy
-
-GREEDY_TEMPERATURE = 1e-6  # temperatures below this mean greedy (argmax)
-
-
-def apply_sampling_filters(
-    logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
-    min_ps: torch.Tensor,
-) -> torch.Tensor:
-    """Per-row sampling distribution, float32 [rows, vocab] (rows sum to 1).
-
-    logits [rows, vocab]; temperatures, top_ps, min_ps float [rows]; top_ks int [rows].
-    Order: temperature -> softmax -> top-k (k <= 0 or k >= vocab: off; the k most likely tokens, ties
-    to the smaller id) -> renormalise -> top-p (the smallest most-likely-first set whose mass reaches
-    top_p; the most likely token always stays; top_p >= 1: off) -> min-p (drop tokens below
-    min_p * max prob) -> renormalise. A temperature below 1e-6 gives the one-hot argmax (greedy).
-    """
-    rows, vocab = logits.shape
-    greedy = temperatures < GREEDY_TEMPERATURE
-    safe_temps = torch.where(greedy, torch.ones_like(temperatures), temperatures).to(torch.float32)
-    probs = torch.softmax(logits.float() / safe_temps[:, None], dim=-1)
-    top_ks = top_ks.to(torch.int64)
-    use_top_k = (top_ks > 0) & (top_ks < vocab)
-    use_top_p = top_ps < 1.0
-    if bool((use_top_k | use_top_p).any()):
-        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
-        rank = torch.arange(vocab, device=logits.device)
-        keep = ~use_top_k[:, None] | (rank[None, :] < top_ks[:, None])
-        kept = torch.where(keep, sorted_probs, 0.0)
-        kept = kept / kept.sum(-1, keepdim=True)
-        mass_before = kept.cumsum(-1) - kept
-        keep &= ~use_top_p[:, None] | (mass_before < top_ps[:, None]) | (rank[None, :] == 0)
-        probs = torch.where(torch.zeros_like(keep).scatter(1, order, keep), probs, 0.0)
-    if bool((min_ps > 0).any()):
-        threshold = min_ps[:, None].to(torch.float32) * probs.amax(-1, keepdim=True)
-        probs = torch.where(probs >= threshold, probs, 0.0)
-    probs = probs / probs.sum(-1, keepdim=True)
-    if bool(greedy.any()):
-        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
-        probs = torch.where(greedy[:, None], one_hot, probs)
-    return probs
+from treespec.sampling import GREEDY_TEMPERATURE, apply_sampling_filters
 
 
 @dataclass

@@ -1,0 +1,46 @@
+"""Per-node sampling state on a draft tree: each node's row is penalised as plain decoding would
+penalise the logits after that node's path was appended."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from treespec.request import Req
+from treespec.sampler import penalized_logits
+from treespec.sampling import SamplingParams
+from treespec.spec.accept import tree_penalized_logits
+from treespec.spec.tree import random_draft_tree
+from treespec.spec.tree_batch import make_draft_tree
+
+VOCAB = 16
+
+
+def make_req(rid: str, **params) -> Req:
+    req = Req(rid, [1, 2, 3, 2], SamplingParams(max_new_tokens=100, **params))
+    req.init_sampling_state(VOCAB, seed=0)
+    for tok in (5, 7, 5, 9):
+        req.append_token(tok)
+    return req
+
+
+def test_tree_rows_penalised_like_plain_decoding_after_the_path() -> None:
+    gen = torch.Generator().manual_seed(0)
+    steps, topk, nodes = 4, 3, 10
+    reqs = [make_req("a", frequency_penalty=0.8, presence_penalty=0.5), make_req("b"),
+            make_req("c", repetition_penalty=1.7)]
+    parent_list, top_index, drafts = random_draft_tree(len(reqs), steps, topk, nodes, VOCAB, generator=gen)
+    roots = torch.tensor([r.output_ids[-1] for r in reqs])
+    tree = make_draft_tree(roots, drafts, parent_list, top_index, [r.seq_len - 1 for r in reqs], topk, steps)
+    logits = torch.randn(len(reqs) * nodes, VOCAB, generator=gen)
+    got = tree_penalized_logits(reqs, logits, tree)
+    for b, req in enumerate(reqs):
+        for t in range(nodes):
+            path = [int(tree.candidates[b, a]) for a in range(1, nodes) if tree.ancestors[b, t, a]]
+            plain = copy.deepcopy(req)
+            for tok in path:  # ancestors have smaller node ids, so this is root-to-node order
+                plain.append_token(tok)
+            want = penalized_logits([plain], logits[b * nodes + t : b * nodes + t + 1])[0]
+            torch.testing.assert_close(got[b * nodes + t], want)
+    assert not torch.equal(got[:nodes], logits[:nodes])  # the penalties did something

@@ -1,0 +1,195 @@
+"""Draft heads in the published checkpoint layouts: they load (names, shapes, config fields), compute
+what the published architecture computes (checked against a direct implementation from the raw
+tensors), and save_draft writes the same layout back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from eagle_test_models import HEAD_DIM, HEADS, HIDDEN, KV_HEADS, draft_config, random_target, write_checkpoint
+from safetensors.torch import load_file
+
+from treespec.attention.metadata import build_metadata
+from treespec.model_runner import ModelRunner
+from treespec.models.draft_loader import load_draft_model, save_draft
+from treespec.spec.draft_runner import DraftRunner, draft_extend_batch
+
+VOCAB, INTER, T = 256, 96, 7
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> ModelRunner:
+    path = random_target(tmp_path_factory.mktemp("heads") / "target")
+    return ModelRunner(path, torch.float32, torch.device("cpu"), kv_pool_size=64)
+
+
+def rand(*shape: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen) * 0.2
+
+
+def layer_state(prefix: str, in_dim: int, norms: list[str], gen: torch.Generator) -> dict[str, torch.Tensor]:
+    state = {
+        f"{prefix}self_attn.q_proj.weight": rand(HEADS * HEAD_DIM, in_dim, gen=gen),
+        f"{prefix}self_attn.k_proj.weight": rand(KV_HEADS * HEAD_DIM, in_dim, gen=gen),
+        f"{prefix}self_attn.v_proj.weight": rand(KV_HEADS * HEAD_DIM, in_dim, gen=gen),
+        f"{prefix}self_attn.o_proj.weight": rand(HIDDEN, HEADS * HEAD_DIM, gen=gen),
+        f"{prefix}mlp.gate_proj.weight": rand(INTER, HIDDEN, gen=gen),
+        f"{prefix}mlp.up_proj.weight": rand(INTER, HIDDEN, gen=gen),
+        f"{prefix}mlp.down_proj.weight": rand(HIDDEN, INTER, gen=gen),
+    }
+    state.update({f"{prefix}{n}.weight": 1 + rand(HIDDEN, gen=gen) for n in norms})
+    return state
+
+
+def eagle_state(seed: int = 0, bias: bool = True) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    state = {"fc.weight": rand(HIDDEN, 2 * HIDDEN, gen=gen)}
+    if bias:
+        state["fc.bias"] = rand(HIDDEN, gen=gen)
+    state.update(layer_state("layers.0.", HIDDEN, ["post_attention_layernorm"], gen))
+    return state
+
+
+def eagle3_state(draft_vocab: int | None, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    state = {"fc.weight": rand(HIDDEN, 3 * HIDDEN, gen=gen), "norm.weight": 1 + rand(HIDDEN, gen=gen)}
+    state.update(layer_state("midlayer.", 2 * HIDDEN, ["input_layernorm", "hidden_norm", "post_attention_layernorm"], gen))
+    if draft_vocab is not None:
+        ids = torch.randperm(VOCAB, generator=gen)[:draft_vocab].sort().values
+        state["lm_head.weight"] = rand(draft_vocab, HIDDEN, gen=gen)
+        state["d2t"] = ids - torch.arange(draft_vocab)
+        state["t2d"] = torch.zeros(VOCAB, dtype=torch.bool).index_fill(0, ids, True)
+    return state
+
+
+# ---------------------------------------------------------------------------- direct implementations
+def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+
+def attention(x: torch.Tensor, s: dict, p: str) -> torch.Tensor:
+    """Causal self-attention of one sequence with HF-layout RoPE (positions 0..T-1) and GQA."""
+    q = (x @ s[f"{p}q_proj.weight"].T).view(T, HEADS, HEAD_DIM)
+    k = (x @ s[f"{p}k_proj.weight"].T).view(T, KV_HEADS, HEAD_DIM)
+    v = (x @ s[f"{p}v_proj.weight"].T).view(T, KV_HEADS, HEAD_DIM)
+    inv = 1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM)
+    ang = torch.outer(torch.arange(T).float(), inv)
+    cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
+
+    def rope(t: torch.Tensor) -> torch.Tensor:
+        half = t.shape[-1] // 2
+        return t * cos + torch.cat([-t[..., half:], t[..., :half]], -1) * sin
+
+    q, k = rope(q), rope(k)
+    k, v = k.repeat_interleave(HEADS // KV_HEADS, 1), v.repeat_interleave(HEADS // KV_HEADS, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / HEAD_DIM**0.5
+    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(T, -1)
+    return out @ s[f"{p}o_proj.weight"].T
+
+
+def mlp(x: torch.Tensor, s: dict, p: str) -> torch.Tensor:
+    return (F.silu(x @ s[f"{p}gate_proj.weight"].T) * (x @ s[f"{p}up_proj.weight"].T)) @ s[f"{p}down_proj.weight"].T
+
+
+def eagle_reference(s: dict, embed: torch.Tensor, lm_head: torch.Tensor, ids: torch.Tensor, feats: torch.Tensor):
+    h = torch.cat([embed[ids], feats], -1) @ s["fc.weight"].T + s.get("fc.bias", 0)
+    h = h + attention(h, s, "layers.0.self_attn.")  # layer 0: no input norm
+    h = h + mlp(rms(h, s["layers.0.post_attention_layernorm.weight"]), s, "layers.0.mlp.")
+    return h @ lm_head.T, h  # no final norm; the target's lm_head
+
+
+def eagle3_reference(s: dict, embed: torch.Tensor, lm_head: torch.Tensor, ids: torch.Tensor, aux: torch.Tensor):
+    hidden = aux @ s["fc.weight"].T
+    x = torch.cat([rms(embed[ids], s["midlayer.input_layernorm.weight"]),
+                   rms(hidden, s["midlayer.hidden_norm.weight"])], -1)
+    h = hidden + attention(x, s, "midlayer.self_attn.")
+    h = h + mlp(rms(h, s["midlayer.post_attention_layernorm.weight"]), s, "midlayer.mlp.")
+    return rms(h, s["norm.weight"]) @ s.get("lm_head.weight", lm_head).T, h
+
+
+def run_draft(runner: DraftRunner, ids: torch.Tensor, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    slots = torch.arange(1, T + 1)
+    batch = draft_extend_batch(ids, torch.arange(T), slots, build_metadata([T], [slots]), feats, None)
+    out = runner.forward(batch)
+    return out.logits, out.hidden_states
+
+
+def check_forward(runner: DraftRunner, state: dict, target: ModelRunner, reference) -> None:
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (T,), generator=gen)
+    feats = torch.randn(T, runner.model.input_hidden_size, generator=gen)
+    embed, head = target.model.embed_tokens.weight.detach(), target.model.lm_head_weight.detach()
+    want_logits, want_hidden = reference(state, embed, head, ids, feats)
+    logits, hidden = run_draft(runner, ids, feats)
+    torch.testing.assert_close(hidden, want_hidden, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("variant", ["sglang", "model_prefix", "safeailab_no_bias"])
+def test_published_eagle_checkpoint(tmp_path, target, variant) -> None:
+    state = eagle_state(bias=variant != "safeailab_no_bias")
+    arch = "LlamaForCausalLM" if variant == "safeailab_no_bias" else "LlamaForCausalLMEagle"
+    stored = {("model." + k if variant == "model_prefix" else k): v for k, v in state.items()}
+    path = write_checkpoint(tmp_path / "eagle", draft_config(arch, VOCAB, INTER, bias=variant != "safeailab_no_bias"), stored)
+    runner = DraftRunner(str(path), "EAGLE", target)
+    assert (runner.model.fc.bias is not None) == ("fc.bias" in state)
+    check_forward(runner, state, target, eagle_reference)
+
+
+@pytest.mark.parametrize("variant", ["reduced_vocab", "speculators_names", "same_vocab_no_d2t_no_lm_head"])
+def test_published_eagle3_checkpoint(tmp_path, target, variant) -> None:
+    reduced = variant != "same_vocab_no_d2t_no_lm_head"
+    state = eagle3_state(100 if reduced else None)
+    stored = {k.replace("midlayer.", "layers.0.") if variant == "speculators_names" else k: v for k, v in state.items()}
+    extra = {"draft_vocab_size": 100 if reduced else None,
+             "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}
+    path = write_checkpoint(tmp_path / "eagle3", draft_config("LlamaForCausalLMEagle3", VOCAB, INTER, **extra), stored)
+    runner = DraftRunner(str(path), "EAGLE3", target)
+    check_forward(runner, state, target, eagle3_reference)
+    model = runner.model
+    assert model.capture_layers(4) == [1, 2, 3]  # inputs of the layers after the listed outputs
+    if reduced:
+        want = state["d2t"] + torch.arange(100)
+        assert torch.equal(runner.hot_token_map, want) and torch.equal(model.t2d, state["t2d"])
+    else:
+        assert runner.hot_token_map is None and model.lm_head is None
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+def test_save_load_round_trip(tmp_path, target, algorithm) -> None:
+    if algorithm == "EAGLE":
+        state, cfg = eagle_state(seed=3), draft_config("LlamaForCausalLMEagle", VOCAB, INTER, bias=True)
+    else:
+        state = eagle3_state(64, seed=3)
+        cfg = draft_config("LlamaForCausalLMEagle3", VOCAB, INTER, draft_vocab_size=64,
+                           eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]})
+    original = write_checkpoint(tmp_path / "original", cfg, state)
+    model = load_draft_model(original, algorithm, 512)
+    save_draft(model, tmp_path / "saved")
+    saved = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    assert saved.keys() == state.keys()
+    for name, value in state.items():
+        assert torch.equal(saved[name], value), name
+    saved_cfg = json.loads((tmp_path / "saved" / "config.json").read_text())
+    for key in ("architectures", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "vocab_size", "draft_vocab_size"):
+        if key in cfg:
+            assert saved_cfg[key] == cfg[key], key
+    if "eagle_config" in cfg:
+        assert saved_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    runner = DraftRunner(str(tmp_path / "saved"), algorithm, target)
+    check_forward(runner, state, target, eagle_reference if algorithm == "EAGLE" else eagle3_reference)
+
+
+def test_clear_errors(tmp_path, target) -> None:
+    eagle3 = write_checkpoint(tmp_path / "e3", draft_config("LlamaForCausalLMEagle3", VOCAB, INTER, draft_vocab_size=100),
+                              {k: v for k, v in eagle3_state(100).items() if k != "d2t"})
+    with pytest.raises(ValueError, match="--speculative-algorithm EAGLE does not match"):
+        DraftRunner(str(eagle3), "EAGLE", target)
+    with pytest.raises(ValueError, match="missing weight 'd2t'"):
+        DraftRunner(str(eagle3), "EAGLE3", target)

@@ -1,0 +1,47 @@
+"""Server args: SGLang flag names, speculative defaults, and errors that name the flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from treespec.args import ArgError, ServerArgs
+
+
+def test_speculative_defaults_when_all_three_omitted():
+    args = ServerArgs(speculative_algorithm="eagle3")
+    args.validate()
+    assert args.speculative_algorithm == "EAGLE3"
+    assert (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (5, 4, 8)
+
+
+@pytest.mark.parametrize("steps,topk,ndraft,flag", [
+    (3, 1, 5, "--speculative-num-draft-tokens"),  # topk 1 must be a chain
+    (2, 2, 6, "--speculative-num-draft-tokens"),  # more than 1 + topk * steps
+    (0, 2, 2, "--speculative-num-steps"),
+    (2, 0, 2, "--speculative-eagle-topk"),
+    (2, 2, None, "--speculative-num-draft-tokens"),
+])
+def test_bad_speculative_settings_name_the_flag(steps, topk, ndraft, flag):
+    args = ServerArgs(speculative_algorithm="EAGLE", speculative_num_steps=steps,
+                      speculative_eagle_topk=topk, speculative_num_draft_tokens=ndraft)
+    with pytest.raises(ArgError, match=flag):
+        args.validate()
+
+
+@pytest.mark.parametrize("field,value,flag", [
+    ("dtype", "float8", "--dtype"), ("schedule_policy", "random", "--schedule-policy"),
+    ("speculative_algorithm", "MEDUSA", "--speculative-algorithm"), ("port", 70000, "--port"),
+    ("max_total_tokens", 0, "--max-total-tokens"),
+])
+def test_bad_values_name_the_flag(field, value, flag):
+    with pytest.raises(ArgError, match=flag):
+        ServerArgs(**{field: value}).validate()
+
+
+def test_cli_parsing_and_cli_errors(capsys):
+    args = ServerArgs.from_cli(["--port", "31000", "--disable-radix-cache", "--speculative-algorithm", "NONE"])
+    assert args.port == 31000 and args.disable_radix_cache
+    with pytest.raises(SystemExit):
+        ServerArgs.from_cli(["--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "1",
+                             "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "8"])
+    assert "--speculative-num-draft-tokens" in capsys.readouterr().err

@@ -1,0 +1,182 @@
+"""EAGLE-3 draft head (config architecture `LlamaForCausalLMEagle3`).
+
+Layout of a published checkpoint (names as stored; an optional leading `model.` is accepted, and
+`layers.0.` for `midlayer.` as in the speculators export):
+  fc.weight [H, 3*Ht]                     Ht = config target_hidden_size (default H)
+  midlayer.self_attn.{q,k,v}_proj.weight  [*, 2H]  (attention input is [norm(embed), norm(hidden)])
+  midlayer.self_attn.o_proj.weight, midlayer.mlp.{gate,up,down}_proj.weight
+  midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight, norm.weight
+  lm_head.weight [draft_vocab_size, H]    (absent: the target's lm_head, same vocabulary only)
+  d2t int64 [draft_vocab_size]            target id = draft id + d2t[draft id] (absent: same vocab)
+  t2d bool [vocab_size]                   which target ids the draft vocabulary holds
+  embed_tokens.weight (optional; normally the target's embedding is used)
+config.json: draft_vocab_size, optionally target_hidden_size and
+eagle_config.eagle_aux_hidden_state_layer_ids (ids of the target layers whose *outputs* are captured;
+default: the inputs of layers 2, L//2, L-3).
+
+Extend (after prefill / after verify) input at position i: (token i+1, fc(concat of the three captured
+target hidden states at i)); a draft decode step instead feeds the previous step's output hidden
+state (pre-norm) unchanged. Logits = lm_head(norm(h)) over the draft vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from treespec.forward_batch import ForwardBatch, ForwardMode, ModelOutput
+from treespec.models.config import ModelConfig
+from treespec.models.draft_weights import WeightReader, fused_layer_weights, split_layer_weights
+from treespec.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from treespec.models.llama import Attention
+
+ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+MIDLAYER_NORMS = ("hidden_norm",)
+
+
+class Eagle3MidLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.self_attn = Attention(cfg, 0, input_size=2 * h)
+        self.mlp = GatedMLP(h, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, cos, sin, batch: ForwardBatch, ctx) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
+        h = hidden + self.self_attn(x, cos, sin, batch, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3DraftModel(nn.Module):
+    algorithm = "EAGLE3"
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, target_hidden_size: int | None = None,
+                 draft_vocab_size: int | None = None, aux_layer_ids: list[int] | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        h = cfg.hidden_size
+        self.target_hidden_size = target_hidden_size or h
+        self.draft_vocab_size = draft_vocab_size or cfg.vocab_size
+        self.aux_layer_ids = aux_layer_ids  # published output-layer ids, None = default capture
+        self.fc = nn.Linear(3 * self.target_hidden_size, h, bias=False)
+        self.midlayer = Eagle3MidLayer(cfg)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.lm_head = nn.Parameter(torch.zeros(self.draft_vocab_size, h))
+        self.own_lm_head = True
+        if self.draft_vocab_size != cfg.vocab_size:
+            self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64))
+            self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        else:
+            self.d2t = self.t2d = None
+        self.embed_weight: torch.Tensor | None = None
+        self.own_embed = False
+
+    @property
+    def input_hidden_size(self) -> int:
+        return 3 * self.target_hidden_size
+
+    @property
+    def hot_token_map(self) -> torch.Tensor | None:
+        """Target id of every draft-vocabulary id (None: the vocabularies are the same)."""
+        if self.d2t is None:
+            return None
+        return self.d2t + torch.arange(self.draft_vocab_size, device=self.d2t.device)
+
+    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
+        """Define the reduced vocabulary by its sorted target ids (fills d2t and t2d)."""
+        target_ids = target_ids.to(torch.int64).sort().values
+        with torch.no_grad():
+            self.d2t.copy_(target_ids - torch.arange(target_ids.numel()))
+            self.t2d.zero_()
+            self.t2d[target_ids] = True
+
+    def set_target_weights(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+        if not self.own_embed:
+            self.embed_weight = embed.detach()
+        if not self.own_lm_head:  # same vocabulary and no lm_head in the checkpoint
+            self.lm_head = None
+            tied = self.config.tie_word_embeddings
+            self.shared_lm_head = self.embed_weight if tied else lm_head.detach()
+
+    def capture_layers(self, num_target_layers: int) -> list[int]:
+        """Target layers whose input hidden state is captured, in fc input order (low, mid, high)."""
+        if self.aux_layer_ids is not None:
+            layers = [i + 1 for i in self.aux_layer_ids]
+        else:
+            layers = [2, num_target_layers // 2, num_target_layers - 3]
+        if len(layers) != 3 or min(layers) < 0 or max(layers) >= num_target_layers:
+            raise ValueError(f"EAGLE-3 needs 3 captured target layers in [0, {num_target_layers}); got inputs "
+                             f"of layers {layers} (set eagle_config.eagle_aux_hidden_state_layer_ids)")
+        return layers
+
+    def forward(self, batch: ForwardBatch, ctx, return_all_hidden: bool = False) -> ModelOutput:
+        emb = F.embedding(batch.input_ids, self.embed_weight)
+        hidden = batch.input_hidden.to(emb.dtype)
+        if batch.mode != ForwardMode.DRAFT_DECODE:
+            hidden = self.fc(hidden)  # target features; decode steps feed our own output back
+        cos, sin = self.rotary(batch.positions, emb.dtype)
+        h = self.midlayer(emb, hidden, cos, sin, batch, ctx)
+        rows = h if batch.logits_indices is None else h[batch.logits_indices]
+        head = self.lm_head if self.lm_head is not None else self.shared_lm_head
+        logits = F.linear(self.norm(rows), head).float()
+        return ModelOutput(logits=logits, hidden_states=h if return_all_hidden else rows)
+
+    # ------------------------------------------------------------------ checkpoint layout
+    @classmethod
+    def from_checkpoint(cls, cfg: ModelConfig, hf_config: dict, reader: WeightReader,
+                        max_positions: int) -> Eagle3DraftModel:
+        if cfg.num_layers != 1:
+            raise ValueError(f"EAGLE-3 heads with num_hidden_layers={cfg.num_layers} are not supported (only 1)")
+        aux = (hf_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        with torch.device("cpu"):
+            model = cls(cfg, max_positions, hf_config.get("target_hidden_size"),
+                        hf_config.get("draft_vocab_size"), list(aux) if aux is not None else None)
+        own = dict(model.named_parameters())
+        put = reader.putter(own)
+        put("fc.weight", reader.get("fc.weight"))
+        fused_layer_weights(reader, "midlayer.", "midlayer.", put, input_norm=True, extra_norms=MIDLAYER_NORMS)
+        put("norm.weight", reader.get("norm.weight"))
+        if reader.has("lm_head.weight"):
+            put("lm_head", reader.get("lm_head.weight"))
+        elif model.draft_vocab_size == cfg.vocab_size:
+            model.own_lm_head = False  # the target's head (set_target_weights)
+            put.loaded.add("lm_head")
+        if model.d2t is not None:
+            d2t = reader.get("d2t").to(torch.int64)
+            if d2t.shape != model.d2t.shape:
+                raise ValueError(f"d2t: expected shape {tuple(model.d2t.shape)}, got {tuple(d2t.shape)}")
+            model.d2t.copy_(d2t)
+            model.t2d.zero_()
+            model.t2d[model.hot_token_map] = True  # derived from d2t, whatever t2d the file has
+        if reader.has("embed_tokens.weight"):
+            model.embed_weight = nn.Parameter(reader.get("embed_tokens.weight"), requires_grad=False)
+            model.own_embed = True
+        elif model.target_hidden_size != cfg.hidden_size:
+            raise ValueError("an EAGLE-3 head whose hidden size differs from the target's needs its own embed_tokens")
+        reader.check_all_loaded(own, put.loaded)
+        return model
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        state = {"fc.weight": self.fc.weight, "norm.weight": self.norm.weight}
+        state.update(split_layer_weights(self.midlayer, "midlayer.", self.config, True, MIDLAYER_NORMS))
+        if self.lm_head is not None:
+            state["lm_head.weight"] = self.lm_head
+        if self.d2t is not None:
+            state["d2t"], state["t2d"] = self.d2t, self.t2d
+        if self.own_embed:
+            state["embed_tokens.weight"] = self.embed_weight
+        return state
+
+    def checkpoint_config(self) -> dict:
+        out: dict = {"architectures": [ARCHITECTURES[0]], "draft_vocab_size": self.draft_vocab_size}
+        if self.target_hidden_size != self.config.hidden_size:
+            out["target_hidden_size"] = self.target_hidden_size
+        if self.aux_layer_ids is not None:
+            out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+                                   "use_aux_hidden_state": True}
+        return out

@@ -1,0 +1,83 @@
+"""Choosing the accepted path of each draft tree exactly as plain decoding would choose tokens.
+
+Every tree node's target row is processed as the plain sampler would process the logits at that
+point of the sequence: penalties see the request's output counts plus the draft tokens on the node's
+path, then greedy requests take the argmax and sampled ones the distribution of
+`treespec.sampling.apply_sampling_filters` (the function plain sampling uses). Greedy verification
+follows the argmax; lossless tree speculative sampling (kernels) the filtered distribution; both run
+in one mixed batch by giving greedy rows a one-hot distribution.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from treespec.kernels import tree_speculative_sampling_target_only, verify_tree_greedy
+from treespec.request import Req
+from treespec.sampler import penalized_logits, sampling_tensors
+from treespec.sampling import apply_sampling_filters
+from treespec.spec.tree_batch import DraftTree
+
+
+def tree_penalized_logits(reqs: list[Req], logits: torch.Tensor, tree: DraftTree) -> torch.Tensor:
+    """Penalties per node row: counts = the request's output counts + the draft tokens on the path
+    from the root (excluded: it is already counted) to the node (included)."""
+    if not any(r.sampling_params.has_penalties for r in reqs):
+        return logits
+    n, vocab = tree.num_nodes, logits.shape[-1]
+    rows = []
+    for b, req in enumerate(reqs):
+        params = req.sampling_params
+        if not params.has_penalties:
+            rows.extend([SimpleNamespace(sampling_params=params)] * n)
+            continue
+        path = tree.ancestors[b, :, 1:].to(torch.float32)  # [n, n-1]
+        onehot = torch.zeros(n - 1, vocab)
+        onehot[torch.arange(n - 1), tree.candidates[b, 1:].cpu()] = 1.0
+        counts = req.output_counts + path @ onehot  # [n, V]
+        rows.extend(SimpleNamespace(sampling_params=params, output_counts=counts[t], prompt_mask=req.prompt_mask)
+                    for t in range(n))
+    return penalized_logits(rows, logits)
+
+
+def verify_tree_mixed(reqs: list[Req], logits: torch.Tensor, tree: DraftTree
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (predicts [bs*n], accept_index [bs, D+1], accept_length [bs]) as the kernels define them."""
+    bs, n = tree.candidates.shape
+    logits = tree_penalized_logits(reqs, logits.float().cpu(), tree)
+    args = (tree.candidates, tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling)
+    greedy = torch.tensor([r.sampling_params.greedy for r in reqs])
+    if bool(greedy.all()):
+        return verify_tree_greedy(*args, logits.argmax(-1).view(bs, n), tree.max_depth)
+    sampled = [r for r in reqs if not r.sampling_params.greedy]
+    rows = ~greedy.repeat_interleave(n)
+    probs = torch.zeros_like(logits)
+    filters = [t.repeat_interleave(n) for t in sampling_tensors(sampled)]
+    probs[rows] = apply_sampling_filters(logits[rows], *filters)
+    greedy_rows = greedy.repeat_interleave(n)
+    if bool(greedy_rows.any()):
+        probs[greedy_rows] = torch.zeros_like(probs[greedy_rows]).scatter_(
+            1, logits[greedy_rows].argmax(-1, keepdim=True), 1.0)
+    coins = torch.zeros(bs, n)
+    final_coins = torch.zeros(bs)
+    for b, req in enumerate(reqs):
+        if not req.sampling_params.greedy:
+            draw = torch.rand(n + 1, generator=req.generator)
+            coins[b], final_coins[b] = draw[:n], draw[n]
+    return tree_speculative_sampling_target_only(*args, coins, final_coins, probs, tree.max_depth)
+
+
+def token_logprobs(req: Req, logits: torch.Tensor, tokens: list[int]) -> list[tuple[float, list]]:
+    """(logprob, top logprobs) of each emitted token under the unmodified target distribution of the
+    row that produced it (as plain decoding reports them)."""
+    logprobs = torch.log_softmax(logits.float().cpu(), dim=-1)
+    out = []
+    for i, tok in enumerate(tokens):
+        top = []
+        if req.top_logprobs_num > 0:
+            vals, ids = logprobs[i].topk(req.top_logprobs_num)
+            top = list(zip(vals.tolist(), ids.tolist(), strict=True))
+        out.append((float(logprobs[i, tok]), top))
+    return out

@@ -1,0 +1,82 @@
+"""DraftRunner: the draft head, its own KV pool (indexed by the shared allocator's slot ids) and its
+attention backend; plus the two kinds of draft batches (extend over verified tokens, tree decode)."""
+
+from __future__ import annotations
+
+import torch
+
+from treespec.attention.metadata import AttentionMetadata, build_metadata
+from treespec.forward_batch import ForwardBatch, ForwardMode, ModelOutput
+from treespec.mem.kv_pool import KVPool
+from treespec.model_runner import ModelRunner, create_attn_backend
+from treespec.models.draft_loader import DraftModel, load_draft_model
+
+
+class DraftRunner:
+    def __init__(self, draft_path: str, algorithm: str, target: ModelRunner) -> None:
+        self.device, self.dtype = target.device, target.dtype
+        self.context_len = target.context_len
+        model = load_draft_model(draft_path, algorithm, target.context_len)
+        tcfg, dcfg = target.config, model.config
+        if dcfg.vocab_size != tcfg.vocab_size:
+            raise ValueError(f"draft head vocab_size {dcfg.vocab_size} != target vocab_size {tcfg.vocab_size}")
+        if model.algorithm == "EAGLE" and dcfg.hidden_size != tcfg.hidden_size:
+            raise ValueError(f"EAGLE head hidden_size {dcfg.hidden_size} != target hidden_size {tcfg.hidden_size}")
+        if model.algorithm == "EAGLE3" and model.target_hidden_size != tcfg.hidden_size:
+            raise ValueError(f"EAGLE-3 head expects target hidden size {model.target_hidden_size}, "
+                             f"the target has {tcfg.hidden_size}")
+        self.model: DraftModel = model.to(device=self.device, dtype=self.dtype).eval()
+        self.model.rotary.to(self.device)
+        self.model.set_target_weights(target.model.embed_tokens.weight, target.model.lm_head_weight)
+        self.config = dcfg
+        self.kv_pool = KVPool(target.kv_pool.size, dcfg.num_layers, dcfg.num_kv_heads, dcfg.head_dim,
+                              self.dtype, self.device)
+        self.attn_backend = create_attn_backend(self.device)
+        self.hot_token_map = getattr(self.model, "hot_token_map", None)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> ModelOutput:
+        self.attn_backend.init_forward_metadata(batch.attn)
+        return self.model(batch, self)
+
+    def clamp_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        # Tree nodes past the context length are never emitted (max_new_tokens stops first); clamping
+        # only keeps their RoPE lookup in range.
+        return positions.clamp(max=self.context_len - 1)
+
+
+def draft_extend_batch(
+    input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor, attn: AttentionMetadata,
+    target_hidden: torch.Tensor, last_rows: torch.Tensor,
+) -> ForwardBatch:
+    """The draft over verified tokens: row i is (token i+1, target hidden state at i), causal attention."""
+    return ForwardBatch(
+        mode=ForwardMode.DRAFT_EXTEND, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
+        attn=attn, logits_indices=last_rows, input_hidden=target_hidden,
+    )
+
+
+def draft_tree_step_batch(
+    input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, prefix_slots: list[torch.Tensor],
+    step_slots: torch.Tensor, branch_slots: torch.Tensor, device: torch.device,
+) -> ForwardBatch:
+    """One draft decode step over the k frontier rows of each request, attending along the real tree.
+
+    step_slots [s+1, bs, k]: scratch slots written by steps 0..s (step s = this one, its out_cache_loc);
+    branch_slots [bs, k, s+1]: per row, the slots of its draft ancestors and itself. Request b's rows
+    see its prefix plus exactly the step_slots entries listed in their branch (custom mask).
+    """
+    num_steps_done, bs, k = step_slots.shape
+    per_req = step_slots.permute(1, 0, 2)  # [bs, s+1, k], columns in (step, row) order
+    on_branch = per_req[:, None, :, :] == branch_slots[:, :, :, None]  # [bs, row, step, col]
+    on_branch = on_branch.reshape(bs, k, num_steps_done * k).cpu()
+    kv_lists, masks = [], []
+    for b in range(bs):
+        prefix = prefix_slots[b]
+        kv_lists.append(torch.cat([prefix, per_req[b].reshape(-1).to(prefix)]))
+        masks.append(torch.cat([torch.ones(k, prefix.numel(), dtype=torch.bool), on_branch[b]], dim=1))
+    return ForwardBatch(
+        mode=ForwardMode.DRAFT_DECODE, input_ids=input_ids, positions=positions,
+        out_cache_loc=step_slots[-1].reshape(-1).to(device),
+        attn=build_metadata([k] * bs, kv_lists, masks, device=device), input_hidden=hidden,
+    )

@@ -1,0 +1,194 @@
+"""EagleWorker: one EAGLE-2 / EAGLE-3 tree speculative step for the scheduler's running requests.
+
+Positions and the one-token shift: the draft's row at position i takes (token i+1, target hidden
+state at i) and predicts token i+2. After every step a request has target and draft KV for
+positions [0, kv_len) with kv_len == seq_len - 1 (the last token, the tree root, has none yet), plus
+the draft's output (logits, hidden state) at position kv_len - 1, from which drafting starts.
+
+A step (decode_step): draft num_steps levels with EAGLE-2 top-k expansion (scratch draft KV in slots
+taken under an allocator backup and given back right after), rerank to num_draft_tokens nodes, build
+the tree, verify it with one TARGET_VERIFY forward, keep the accepted nodes' KV, free the rest, and
+run the draft over the emitted tokens (draft extend) so its KV and state are current again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from treespec.args import ServerArgs
+from treespec.attention.metadata import build_metadata
+from treespec.forward_batch import ForwardBatch, ModelOutput
+from treespec.mem.allocator import TokenToKVPoolAllocator
+from treespec.mem.req_to_token import ReqToTokenPool
+from treespec.model_runner import ModelRunner
+from treespec.request import Req
+from treespec.spec.accept import token_logprobs, verify_tree_mixed
+from treespec.spec.draft_runner import DraftRunner, draft_extend_batch, draft_tree_step_batch
+from treespec.spec.tree import draft_topk, extend_branch_slots, organize_draft_results, select_top_k_tokens
+from treespec.spec.tree_batch import DraftTree, commit_accepted, make_draft_tree, root_only_tree, verify_batch
+
+
+class EagleWorker:
+    def __init__(self, args: ServerArgs, target_runner: ModelRunner, req_to_token_pool: ReqToTokenPool,
+                 allocator: TokenToKVPoolAllocator) -> None:
+        if not args.speculative_draft_model_path:
+            raise ValueError(f"--speculative-draft-model-path is required with --speculative-algorithm "
+                             f"{args.speculative_algorithm}")
+        self.num_steps = args.speculative_num_steps
+        self.topk = args.speculative_eagle_topk
+        self.num_draft_tokens = args.speculative_num_draft_tokens
+        self.target = target_runner
+        self.draft = DraftRunner(args.speculative_draft_model_path, args.speculative_algorithm, target_runner)
+        self.req_to_token_pool, self.allocator = req_to_token_pool, allocator
+        self.device = target_runner.device
+        self.aux_order: torch.Tensor | None = None
+        self.target_capture_layers: tuple[int, ...] = ()
+        if self.draft.model.algorithm == "EAGLE3":
+            layers = self.draft.model.capture_layers(target_runner.config.num_layers)
+            self.target_capture_layers = tuple(sorted(set(layers)))
+            self.aux_order = torch.tensor([self.target_capture_layers.index(i) for i in layers])
+        # Drafting and verifying allocate one after the other, never together.
+        self.slots_per_request = max(self.num_draft_tokens, self.topk * (self.num_steps - 1))
+        # rid -> (draft logits, draft hidden state) at the request's position kv_len - 1
+        self.draft_states: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.last_logprobs: list[list[tuple[float, list]] | None] = []
+        self.stats = {"verify_steps": 0, "accepted_drafts": 0, "emitted_tokens": 0, "shrunk_steps": 0}
+        self.record_draft = False  # tests: keep every draft step's rows (paths and logits)
+        self.draft_records: list[tuple[list[str], list[int], torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def avg_accept_length(self) -> float:
+        """Tokens emitted per request per verify step (accepted drafts + the bonus token)."""
+        return self.stats["emitted_tokens"] / max(self.stats["verify_steps"], 1)
+
+    # ------------------------------------------------------------------ draft extend
+    def _draft_features(self, output: ModelOutput, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The target hidden states a draft extend takes: EAGLE the final (post-norm) hidden state,
+        EAGLE-3 the three captured layers in the head's fc order."""
+        if self.aux_order is None:
+            feats = output.hidden_states
+            return feats if rows is None else feats[rows]
+        aux = output.aux_hidden_states if rows is None else output.aux_hidden_states[rows]
+        width = aux.shape[-1] // len(self.target_capture_layers)
+        return aux.view(aux.shape[0], -1, width)[:, self.aux_order.to(aux.device)].reshape(aux.shape[0], -1)
+
+    def after_prefill(self, reqs: list[Req], lens: list[int], batch: ForwardBatch, output: ModelOutput) -> None:
+        """Draft extend over the tokens the target just prefilled (same slots and attention). A chunk's
+        last position takes the next prompt token, a finished prefill's the sampled one. Requests that
+        already finished are run too: their slots may now hold cached prefix, which needs draft KV."""
+        qo = batch.attn.qo_indptr.tolist()
+        starts = batch.positions[torch.tensor(qo[:-1])].tolist()
+        input_ids: list[int] = []
+        for req, n, start in zip(reqs, lens, starts, strict=True):
+            input_ids.extend(req.all_ids[start + 1 : start + n + 1])
+        last_rows = torch.tensor(qo[1:], device=self.device) - 1
+        dbatch = draft_extend_batch(torch.tensor(input_ids, device=self.device), batch.positions,
+                                    batch.out_cache_loc, batch.attn, self._draft_features(output), last_rows)
+        out = self.draft.forward(dbatch)
+        for i, req in enumerate(reqs):
+            if not req.finished and req.kv_len == req.seq_len - 1:
+                self.draft_states[req.rid] = (out.logits[i], out.hidden_states[i])
+
+    def _extend_after_decode(self, reqs: list[Req], kv_lens: list[int], tokens: list[list[int]],
+                             kept_slots: list[torch.Tensor], accept_rows: list[torch.Tensor],
+                             verify_out: ModelOutput) -> None:
+        lens = [len(t) for t in tokens]
+        positions = torch.cat([torch.arange(k, k + m) for k, m in zip(kv_lens, lens, strict=True)])
+        kv_lists = [self.req_to_token_pool.read(r.req_pool_idx, 0, r.kv_len) for r in reqs]
+        last_rows = torch.cumsum(torch.tensor(lens), 0) - 1
+        feats = self._draft_features(verify_out, torch.cat(accept_rows).to(self.device))
+        dbatch = draft_extend_batch(
+            torch.tensor([t for ts in tokens for t in ts], device=self.device), positions.to(self.device),
+            torch.cat(kept_slots).to(self.device), build_metadata(lens, kv_lists, device=self.device),
+            feats, last_rows.to(self.device))
+        out = self.draft.forward(dbatch)
+        # Rebuilt from this batch only: states of requests that left (finished, aborted, retracted) go.
+        self.draft_states = {r.rid: (out.logits[i], out.hidden_states[i]) for i, r in enumerate(reqs)}
+
+    # ------------------------------------------------------------------ drafting
+    def _step_shape(self, bs: int) -> tuple[int, int, int]:
+        """(num_steps, topk, num_draft_tokens) for this step: the configured tree when the free slots
+        allow it, else the longest chain that fits (0 steps: verify the root alone, a plain step)."""
+        free = self.allocator.available_size()
+        if bs * self.slots_per_request <= free:
+            return self.num_steps, self.topk, self.num_draft_tokens
+        self.stats["shrunk_steps"] += 1
+        steps = max(0, min(self.num_steps, free // bs - 1))
+        return steps, 1, steps + 1
+
+    def _draft_tree(self, reqs: list[Req], kv_lens: list[int], prefix_slots: list[torch.Tensor],
+                    roots: torch.Tensor, steps: int, topk: int, num_nodes: int) -> DraftTree:
+        bs, hot = len(reqs), self.draft.hot_token_map
+        topk_p, topk_index = draft_topk(torch.stack([self.draft_states[r.rid][0] for r in reqs]), topk, hot)
+        hidden = torch.stack([self.draft_states[r.rid][1] for r in reqs])
+        row_kv_lens = torch.tensor(kv_lens).repeat_interleave(topk)
+        scores, infos, branch_slots, branch_tokens = None, [], None, None
+        backup = self.allocator.backup_state()
+        try:
+            scratch = self.allocator.alloc(bs * topk * (steps - 1)).view(steps - 1, bs, topk)
+            for step in range(steps):
+                input_ids, hidden, scores, info = select_top_k_tokens(step, topk_p, topk_index, hidden, scores, topk)
+                infos.append(info)
+                if step == steps - 1:
+                    break
+                parent_rows = None  # frontier row (0..k-1) of the previous step holding each row's parent
+                if step > 0:
+                    parent_rows = ((info.parents - topk - topk * topk * (step - 1)) // topk).cpu()
+                branch_slots = extend_branch_slots(branch_slots, parent_rows, scratch[step])
+                positions = self.draft.clamp_positions(row_kv_lens + step).to(self.device)
+                batch = draft_tree_step_batch(input_ids.to(self.device), hidden, positions, prefix_slots,
+                                              scratch[: step + 1], branch_slots, self.device)
+                out = self.draft.forward(batch)
+                topk_p, topk_index = draft_topk(out.logits, topk, hot)
+                hidden = out.hidden_states
+                if self.record_draft:
+                    branch_tokens = extend_branch_slots(branch_tokens, parent_rows, input_ids.view(bs, topk).cpu())
+                    self.draft_records.append(([r.rid for r in reqs], list(kv_lens), branch_tokens.clone(),
+                                               out.logits.view(bs, topk, -1).cpu().clone()))
+        finally:
+            self.allocator.restore_state(backup)
+        parent_list, top_index, draft_tokens = organize_draft_results(
+            [i.scores for i in infos], [i.tokens for i in infos], [i.parents for i in infos], num_nodes)
+        return make_draft_tree(roots, draft_tokens.cpu(), parent_list.cpu(), top_index.cpu(), kv_lens, topk, steps)
+
+    # ------------------------------------------------------------------ one speculative step
+    def decode_step(self, reqs: list[Req]) -> list[list[int]]:
+        """Returns per request the tokens to append (accepted drafts + bonus, at most what
+        max_new_tokens still allows); their KV is committed and kv_len advanced accordingly.
+        `last_logprobs` then holds (logprob, top logprobs) per token for requests that asked."""
+        bs = len(reqs)
+        steps, topk, num_nodes = self._step_shape(bs)
+        kv_lens = [r.kv_len for r in reqs]
+        pool_indices = [r.req_pool_idx for r in reqs]
+        prefix_slots = [self.req_to_token_pool.read(i, 0, k) for i, k in zip(pool_indices, kv_lens, strict=True)]
+        roots = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64)
+        if steps == 0:
+            tree = root_only_tree(roots, kv_lens)
+        else:
+            tree = self._draft_tree(reqs, kv_lens, prefix_slots, roots, steps, topk, num_nodes)
+
+        verify_slots = self.allocator.alloc(bs * num_nodes).view(bs, num_nodes)
+        vbatch = verify_batch(tree, prefix_slots, verify_slots, self.draft.clamp_positions(tree.positions),
+                              self.target_capture_layers, self.device)
+        out = self.target.forward(vbatch, return_all_hidden=True)
+        predicts, accept_index, accept_length = verify_tree_mixed(reqs, out.logits, tree)
+
+        accept_rows, tokens = [], []
+        for b, req in enumerate(reqs):
+            budget = req.sampling_params.max_new_tokens - len(req.output_ids)
+            rows = accept_index[b, : min(int(accept_length[b]) + 1, budget)]
+            accept_rows.append(rows)
+            tokens.append(predicts[rows].tolist())
+        kept = commit_accepted(accept_rows, verify_slots, pool_indices, kv_lens, self.req_to_token_pool,
+                               self.allocator)
+        for req, toks in zip(reqs, tokens, strict=True):
+            req.kv_len += len(toks)
+        self.last_logprobs = [
+            token_logprobs(req, out.logits[rows.to(self.device)], toks) if req.return_logprob else None
+            for req, rows, toks in zip(reqs, accept_rows, tokens, strict=True)
+        ]
+        self._extend_after_decode(reqs, kv_lens, tokens, kept, accept_rows, out)
+        self.stats["verify_steps"] += bs
+        self.stats["accepted_drafts"] += int(accept_length.sum())
+        self.stats["emitted_tokens"] += sum(len(t) for t in tokens)
+        return tokens
