@@ -37,6 +37,7 @@ class ServerArgs:
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
+    speculative_config: str | None = None  # JSON schedule: settings by running batch size
     # server
     host: str = "127.0.0.1"
     port: int = 30000
@@ -80,6 +81,22 @@ class ServerArgs:
         spec = (self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens)
         if algo == "NONE":
             return
+        if not self.speculative_draft_model_path and self.model_path is None:
+            from treespec.drafts import TUNED, shipped_draft_path
+
+            shipped = shipped_draft_path(algo)  # the head shipped for the default model
+            if shipped is not None:
+                self.speculative_draft_model_path = str(shipped)
+                if spec == (None, None, None):
+                    spec = TUNED[algo]
+                    self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens = spec
+        if self.speculative_config:
+            from treespec.spec.schedule import ScheduleError, SpecSchedule
+
+            try:
+                SpecSchedule.from_file(self.speculative_config)
+            except ScheduleError as e:
+                raise ArgError(str(e)) from e
         if spec == (None, None, None):
             self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens = 5, 4, 8
         steps, topk, ndraft = self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens

@@ -24,6 +24,7 @@ from treespec.model_runner import ModelRunner
 from treespec.request import Req
 from treespec.spec.accept import token_logprobs, verify_tree_mixed
 from treespec.spec.draft_runner import DraftRunner, draft_extend_batch, draft_tree_step_batch
+from treespec.spec.schedule import SpecSchedule
 from treespec.spec.tree import draft_topk, extend_branch_slots, organize_draft_results, select_top_k_tokens
 from treespec.spec.tree_batch import DraftTree, commit_accepted, make_draft_tree, root_only_tree, verify_batch
 
@@ -34,9 +35,11 @@ class EagleWorker:
         if not args.speculative_draft_model_path:
             raise ValueError(f"--speculative-draft-model-path is required with --speculative-algorithm "
                              f"{args.speculative_algorithm}")
-        self.num_steps = args.speculative_num_steps
-        self.topk = args.speculative_eagle_topk
-        self.num_draft_tokens = args.speculative_num_draft_tokens
+        if args.speculative_config:
+            self.schedule = SpecSchedule.from_file(args.speculative_config)
+        else:
+            self.schedule = SpecSchedule.constant(
+                args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
         self.target = target_runner
         self.draft = DraftRunner(args.speculative_draft_model_path, args.speculative_algorithm, target_runner)
         self.req_to_token_pool, self.allocator = req_to_token_pool, allocator
@@ -47,8 +50,7 @@ class EagleWorker:
             layers = self.draft.model.capture_layers(target_runner.config.num_layers)
             self.target_capture_layers = tuple(sorted(set(layers)))
             self.aux_order = torch.tensor([self.target_capture_layers.index(i) for i in layers])
-        # Drafting and verifying allocate one after the other, never together.
-        self.slots_per_request = max(self.num_draft_tokens, self.topk * (self.num_steps - 1))
+        self.slots_per_request = self.schedule.slots_per_request
         # rid -> (draft logits, draft hidden state) at the request's position kv_len - 1
         self.draft_states: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.last_logprobs: list[list[tuple[float, list]] | None] = []
@@ -107,13 +109,17 @@ class EagleWorker:
 
     # ------------------------------------------------------------------ drafting
     def _step_shape(self, bs: int) -> tuple[int, int, int]:
-        """(num_steps, topk, num_draft_tokens) for this step: the configured tree when the free slots
-        allow it, else the longest chain that fits (0 steps: verify the root alone, a plain step)."""
+        """(num_steps, topk, num_draft_tokens) for this step: the schedule's tree for this batch size
+        when the free slots allow it, else the longest chain that fits (0 steps: verify the root
+        alone, a plain step)."""
+        shape = self.schedule.shape_for(bs)
+        if shape.num_steps == 0:
+            return 0, 1, 1
         free = self.allocator.available_size()
-        if bs * self.slots_per_request <= free:
-            return self.num_steps, self.topk, self.num_draft_tokens
+        if bs * shape.slots_per_request <= free:
+            return shape.num_steps, shape.topk, shape.num_draft_tokens
         self.stats["shrunk_steps"] += 1
-        steps = max(0, min(self.num_steps, free // bs - 1))
+        steps = max(0, min(shape.num_steps, free // bs - 1))
         return steps, 1, steps + 1
 
     def _draft_tree(self, reqs: list[Req], kv_lens: list[int], prefix_slots: list[torch.Tensor],

@@ -1,0 +1,213 @@
+"""The scheduler process: a ZMQ loop around treespec's Scheduler.
+
+Loop: drain incoming messages without blocking (block on the socket, with a timeout, only when idle),
+run one scheduler step when there is work, push new token ids to the detokenizer. Control requests
+(stats, flush_cache) are answered straight to the TokenizerManager.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from collections import deque
+from multiprocessing.connection import Connection
+from typing import Any
+
+import zmq
+
+from treespec.args import ServerArgs
+from treespec.request import RequestOutput
+from treespec.sampling import InvalidRequest, SamplingParams
+from treespec.server.io_struct import (
+    AbortReq,
+    BatchTokenOut,
+    ControlReply,
+    ControlReq,
+    IpcNames,
+    MessageError,
+    TokenizedGenerateReq,
+    TokenOut,
+    decode,
+    encode,
+)
+from treespec.server.proc_util import ParentWatch, make_socket, setup_child
+
+logger = logging.getLogger("treespec.scheduler_process")
+
+IDLE_POLL_MS = 500
+THROUGHPUT_WINDOW_S = 10.0
+LOG_INTERVAL_S = 30.0
+
+
+class SchedulerLoop:
+    def __init__(self, scheduler, names: IpcNames, ctx: zmq.Context) -> None:
+        self.scheduler = scheduler
+        self.recv_sock = make_socket(ctx, zmq.PULL, bind=names.scheduler_input)
+        self.to_detok = make_socket(ctx, zmq.PUSH, connect=names.detokenizer_input)
+        self.to_tokenizer = make_socket(ctx, zmq.PUSH, connect=names.tokenizer_input)
+        self.poller = zmq.Poller()
+        self.poller.register(self.recv_sock, zmq.POLLIN)
+        self.watch = ParentWatch()
+        # per-request detokenization settings, forwarded with every output
+        self.detok_params: dict[str, tuple[bool, bool, list[str]]] = {}
+        self.num_aborted = 0
+        self.spec_verify_ct = 0
+        self.spec_tokens = 0
+        self.samples: deque[tuple[float, int]] = deque()
+        self.last_log = time.monotonic()
+
+    # ------------------------------------------------------------------ main loop
+    def run_forever(self) -> None:
+        while self.watch.parent_alive():
+            self.recv_requests(block=not self.scheduler.has_work())
+            if self.scheduler.has_work():
+                outputs = self.scheduler.step()
+                self.record_throughput()
+                if outputs:
+                    self.send_outputs(outputs)
+                self.maybe_log()
+        logger.info("launcher is gone; scheduler exits")
+
+    def recv_requests(self, block: bool) -> None:
+        if block and not self.poller.poll(IDLE_POLL_MS):
+            return
+        while True:
+            try:
+                raw = self.recv_sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self.handle(decode(raw))
+            except MessageError as e:
+                logger.error("dropping a malformed message: %s", e)
+
+    def handle(self, msg: Any) -> None:
+        if isinstance(msg, TokenizedGenerateReq):
+            self.add_request(msg)
+        elif isinstance(msg, AbortReq):
+            out = self.scheduler.abort_request(msg.rid)
+            if out is not None:
+                self.num_aborted += 1
+                self.send_outputs([out])
+        elif isinstance(msg, ControlReq):
+            self.to_tokenizer.send(encode(self.control(msg)))
+        else:
+            logger.error("unexpected message %s", type(msg).__name__)
+
+    def add_request(self, msg: TokenizedGenerateReq) -> None:
+        try:
+            params = SamplingParams.from_dict(msg.sampling_params)
+            self.scheduler.add_request(msg.rid, msg.input_ids, params, msg.return_logprob,
+                                       msg.top_logprobs_num, msg.logprob_start_len)
+        except InvalidRequest as e:
+            reason = {"type": "abort", "message": str(e), "status_code": 400}
+            out = TokenOut(msg.rid, [], True, reason, {"id": msg.rid, "finish_reason": reason,
+                                                       "prompt_tokens": len(msg.input_ids),
+                                                       "completion_tokens": 0, "cached_tokens": 0})
+            self.to_detok.send(encode(BatchTokenOut([out])))
+            return
+        self.detok_params[msg.rid] = (params.skip_special_tokens, params.no_stop_trim, list(params.stop))
+
+    def send_outputs(self, outputs: list[RequestOutput]) -> None:
+        items = []
+        for out in outputs:
+            skip, no_trim, stop = self.detok_params.get(out.rid, (True, False, []))
+            if out.finished:
+                self.detok_params.pop(out.rid, None)
+                if out.meta_info.get("spec_verify_ct"):
+                    self.spec_verify_ct += out.meta_info["spec_verify_ct"]
+                    self.spec_tokens += out.meta_info.get("completion_tokens", 0)
+            items.append(TokenOut(
+                rid=out.rid, new_token_ids=list(out.new_token_ids), finished=out.finished,
+                finish_reason=out.finish_reason, meta_info=out.meta_info, skip_special_tokens=skip,
+                no_stop_trim=no_trim, stop=stop, output_token_logprobs=out.output_token_logprobs,
+                output_top_logprobs=out.output_top_logprobs, input_token_logprobs=out.input_token_logprobs,
+            ))
+        self.to_detok.send(encode(BatchTokenOut(items)))
+
+    # ------------------------------------------------------------------ control and stats
+    def control(self, msg: ControlReq) -> ControlReply:
+        if msg.kind == "flush_cache":
+            ok = self.scheduler.flush_cache()
+            return ControlReply(msg.req_id, msg.kind, ok, {})
+        if msg.kind == "get_stats":
+            return ControlReply(msg.req_id, msg.kind, True, self.stats())
+        return ControlReply(msg.req_id, msg.kind, False, {"message": f"unknown control request {msg.kind!r}"})
+
+    def record_throughput(self) -> None:
+        now = time.monotonic()
+        self.samples.append((now, self.scheduler.stats.get("generated_tokens", 0)))
+        while self.samples and self.samples[0][0] < now - THROUGHPUT_WINDOW_S:
+            self.samples.popleft()
+
+    def maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self.last_log < LOG_INTERVAL_S:
+            return
+        self.last_log = now
+        st = self.scheduler.get_stats()
+        (t0, g0), (t1, g1) = self.samples[0], self.samples[-1]
+        line = (f"running {st['num_running_reqs']}, waiting {st['num_waiting_reqs']}, "
+                f"token usage {st['token_usage']:.2f}, cache hit rate {st['cache_hit_rate']:.2f}, "
+                f"gen throughput {(g1 - g0) / (t1 - t0) if t1 > t0 else 0.0:.1f} tok/s")
+        if self.spec_verify_ct:
+            line += f", accept len {self.spec_tokens / self.spec_verify_ct:.2f}"
+        logger.info(line)
+
+    def stats(self) -> dict[str, Any]:
+        stats = dict(self.scheduler.get_stats())
+        balanced: bool | None = None
+        if not self.scheduler.has_work():
+            try:
+                self.scheduler.check_pool_balance()
+                balanced = True
+            except AssertionError as e:
+                logger.error("KV pool out of balance: %s", e)
+                balanced = False
+        self.record_throughput()
+        (t0, g0), (t1, g1) = self.samples[0], self.samples[-1]
+        stats["gen_throughput"] = (g1 - g0) / (t1 - t0) if t1 > t0 else 0.0
+        stats["num_aborted_reqs"] = self.num_aborted
+        stats["kv_pool_balanced"] = balanced
+        if "avg_spec_accept_length" not in stats:
+            stats["avg_spec_accept_length"] = (self.spec_tokens / self.spec_verify_ct
+                                               if self.spec_verify_ct else None)
+        stats["uptime_s"] = time.time() - self.scheduler.start_time
+        return stats
+
+
+def run_scheduler_process(args: ServerArgs, tokenizer_path: str, names: IpcNames, ready: Connection) -> None:
+    """Process entry point: load the model, report readiness on `ready`, then serve forever."""
+    setup_child("scheduler", args.log_level)
+    ctx = zmq.Context()
+    try:
+        from treespec.engine import load_tokenizer
+        from treespec.scheduler import Scheduler
+
+        scheduler = Scheduler(args)
+        scheduler.tokenizer = load_tokenizer(tokenizer_path)
+        loop = SchedulerLoop(scheduler, names, ctx)
+    except Exception as e:  # report the load failure to the launcher, which prints it and exits
+        ready.send({"status": "error", "message": f"{type(e).__name__}: {e}",
+                    "traceback": traceback.format_exc()})
+        return
+    ready.send({
+        "status": "ready",
+        "model_dir": str(scheduler.model_dir),
+        "context_len": scheduler.context_len,
+        "max_total_num_tokens": scheduler.allocator.size,
+        "vocab_size": scheduler.vocab_size,
+        "max_running_requests": args.max_running_requests,
+    })
+    ready.close()
+    logger.info("model loaded from %s", scheduler.model_dir)
+    try:
+        loop.run_forever()
+    except SystemExit:
+        pass
+    except BaseException:
+        logger.critical("scheduler crashed:\n%s", traceback.format_exc())
+        raise SystemExit(1) from None
+    finally:
+        ctx.destroy(linger=0)

@@ -1,0 +1,22 @@
+"""Greedy references from the in-process Engine, computed in a separate process (so the test process
+never holds a model). Reads {"engine": {...ServerArgs kwargs}, "requests": [{"text"|"messages",
+"sampling_params"}]} on stdin, writes [{"input_ids", "output_ids", "text"}] on stdout."""
+
+import json
+import sys
+
+from treespec.engine import Engine, chat_input_ids
+
+
+def main() -> None:
+    spec = json.load(sys.stdin)
+    engine = Engine(**spec.get("engine", {}))
+    ids = [chat_input_ids(engine.tokenizer, r["messages"]) if "messages" in r
+           else engine.tokenizer.encode(r["text"], add_special_tokens=False) for r in spec["requests"]]
+    outs = engine.generate(input_ids=ids, sampling_params=[r["sampling_params"] for r in spec["requests"]])
+    json.dump([{"input_ids": i, "output_ids": o["output_ids"], "text": o["text"]} for i, o in zip(ids, outs, strict=True)],
+              sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""The scheduler process loop over real ipc sockets, around a fake Scheduler (no model)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from treespec.request import RequestOutput
+from treespec.sampling import InvalidRequest
+from treespec.server.io_struct import (
+    AbortReq,
+    BatchTokenOut,
+    ControlReply,
+    ControlReq,
+    IpcNames,
+    TokenizedGenerateReq,
+    decode,
+    encode,
+)
+from treespec.server.proc_util import make_socket
+from treespec.server.scheduler_process import SchedulerLoop
+
+
+class FakeScheduler:
+    """Emits one token per step per request and finishes after max_new_tokens."""
+
+    def __init__(self) -> None:
+        self.reqs: dict[str, list] = {}
+        self.stats = {"generated_tokens": 0}
+        self.start_time = time.time()
+
+    def add_request(self, rid, input_ids, params, *args) -> None:
+        if not input_ids:
+            raise InvalidRequest("the prompt is empty")
+        self.reqs[rid] = [params.max_new_tokens, 0]
+
+    def abort_request(self, rid):
+        if self.reqs.pop(rid, None) is None:
+            return None
+        reason = {"type": "abort", "message": "aborted"}
+        return RequestOutput(rid, [], True, reason, {"id": rid, "finish_reason": reason})
+
+    def has_work(self) -> bool:
+        return bool(self.reqs)
+
+    def step(self) -> list[RequestOutput]:
+        outs = []
+        for rid, st in list(self.reqs.items()):
+            st[1] += 1
+            self.stats["generated_tokens"] += 1
+            done = st[1] >= st[0]
+            reason = {"type": "length", "length": st[1]} if done else None
+            outs.append(RequestOutput(rid, [7], done, reason, {"id": rid, "completion_tokens": st[1]}))
+            if done:
+                del self.reqs[rid]
+        return outs
+
+    def get_stats(self) -> dict:
+        return {**self.stats, "num_running_reqs": len(self.reqs), "num_waiting_reqs": 0}
+
+    def check_pool_balance(self) -> None:
+        pass
+
+    def flush_cache(self) -> bool:
+        return not self.reqs
+
+
+@pytest.fixture
+def rig(tmp_path):
+    names = IpcNames.in_dir(str(tmp_path))
+    ctx = zmq.Context()
+    detok = make_socket(ctx, zmq.PULL, bind=names.detokenizer_input)
+    tok = make_socket(ctx, zmq.PULL, bind=names.tokenizer_input)
+    loop = SchedulerLoop(FakeScheduler(), names, ctx)
+    to_sched = make_socket(ctx, zmq.PUSH, connect=names.scheduler_input)
+    yield loop, to_sched, detok, tok
+    ctx.destroy(linger=0)
+
+
+def pump(loop: SchedulerLoop, steps: int = 10) -> None:
+    for _ in range(steps):
+        loop.recv_requests(block=not loop.scheduler.has_work())
+        if loop.scheduler.has_work():
+            out = loop.scheduler.step()
+            loop.record_throughput()
+            if out:
+                loop.send_outputs(out)
+
+
+def recv(sock, timeout_ms: int = 2000):
+    assert sock.poll(timeout_ms), "no message"
+    return decode(sock.recv())
+
+
+def test_generate_abort_reject_and_control(rig):
+    loop, to_sched, detok, tok = rig
+    to_sched.send(encode(TokenizedGenerateReq("a", [1, 2], {"max_new_tokens": 2, "stop": ["x"]})))
+    pump(loop, 3)
+    first, second = recv(detok), recv(detok)
+    assert isinstance(first, BatchTokenOut) and first.items[0].new_token_ids == [7]
+    assert first.items[0].stop == ["x"] and not first.items[0].finished
+    assert second.items[0].finished and second.items[0].finish_reason["type"] == "length"
+    # a request the scheduler refuses comes back finished with a 400 status
+    to_sched.send(encode(TokenizedGenerateReq("bad", [], {})))
+    pump(loop, 1)
+    item = recv(detok).items[0]
+    assert item.finished and item.finish_reason["status_code"] == 400 and "empty" in item.finish_reason["message"]
+    # abort while running
+    to_sched.send(encode(TokenizedGenerateReq("b", [1], {"max_new_tokens": 100})))
+    pump(loop, 2)
+    to_sched.send(encode(AbortReq("b")))
+    pump(loop, 2)
+    items = [it for _ in range(3) for it in recv(detok).items]
+    assert items[-1].rid == "b" and items[-1].finish_reason["type"] == "abort"
+    assert not loop.scheduler.has_work() and loop.num_aborted == 1
+    to_sched.send(encode(ControlReq("c1", "get_stats")))
+    to_sched.send(encode(ControlReq("c2", "flush_cache")))
+    pump(loop, 1)
+    stats, flushed = recv(tok), recv(tok)
+    assert isinstance(stats, ControlReply) and stats.req_id == "c1"
+    assert stats.data["kv_pool_balanced"] is True and stats.data["num_aborted_reqs"] == 1
+    assert stats.data["generated_tokens"] == 4 and "gen_throughput" in stats.data
+    assert flushed.req_id == "c2" and flushed.ok

@@ -1,0 +1,99 @@
+"""Speculation settings chosen by the running batch size (`--speculative-config FILE`).
+
+Users' most common complaint about EAGLE serving is that the speed-up turns into a slow-down at
+high concurrency. A schedule maps batch-size ranges to (num_steps, topk, num_draft_tokens); an entry
+with num_steps 0 means a plain decode step for that range (the draft still runs over the accepted
+token, so its KV stays current and speculation resumes as soon as the batch shrinks).
+
+File format (JSON), entries in increasing max_batch_size, the last may have max_batch_size null:
+
+    {"schedule": [
+        {"max_batch_size": 1, "num_steps": 5, "eagle_topk": 4, "num_draft_tokens": 8},
+        {"max_batch_size": 4, "num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4},
+        {"max_batch_size": null, "num_steps": 0}
+    ]}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+FLAG = "--speculative-config"
+
+
+class ScheduleError(ValueError):
+    """A malformed speculative config; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class SpecShape:
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+
+    @property
+    def slots_per_request(self) -> int:
+        # drafting and verifying allocate one after the other, never together
+        return max(self.num_draft_tokens, self.topk * max(self.num_steps - 1, 0))
+
+
+def validate_shape(steps: int, topk: int, ndraft: int, where: str) -> None:
+    """The tree-shape rules shared by the three flags and every schedule entry."""
+    if steps == 0:
+        return
+    if steps < 0 or topk < 1 or ndraft < 2:
+        raise ScheduleError(f"{where}: steps, topk must be positive and draft tokens >= 2")
+    if topk == 1 and ndraft != steps + 1:
+        raise ScheduleError(f"{where}: with topk 1 the tree is a chain, draft tokens must be steps + 1")
+    if ndraft > 1 + topk * steps:
+        raise ScheduleError(f"{where}: draft tokens must be <= 1 + topk * steps = {1 + topk * steps}")
+
+
+@dataclass
+class SpecSchedule:
+    entries: list[tuple[int | None, SpecShape]]  # (max batch size or None = any, shape)
+
+    @classmethod
+    def constant(cls, steps: int, topk: int, ndraft: int) -> SpecSchedule:
+        return cls([(None, SpecShape(steps, topk, ndraft))])
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> SpecSchedule:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ScheduleError(f"{FLAG}: cannot read {path}: {e}") from e
+        raw = data.get("schedule") if isinstance(data, dict) else None
+        if not isinstance(raw, list) or not raw:
+            raise ScheduleError(f'{FLAG}: {path} needs a non-empty "schedule" list')
+        entries: list[tuple[int | None, SpecShape]] = []
+        last = 0
+        for i, e in enumerate(raw):
+            where = f"{FLAG} entry {i}"
+            try:
+                bound = e.get("max_batch_size")
+                steps = int(e["num_steps"])
+                topk = int(e.get("eagle_topk", 1)) if steps else 1
+                ndraft = int(e.get("num_draft_tokens", steps + 1)) if steps else 1
+            except (AttributeError, KeyError, TypeError, ValueError) as err:
+                raise ScheduleError(f"{where}: {err!r}") from err
+            if bound is not None and (not isinstance(bound, int) or bound <= last):
+                raise ScheduleError(f"{where}: max_batch_size must increase and be a positive integer")
+            if entries and entries[-1][0] is None:
+                raise ScheduleError(f"{where}: comes after an entry without max_batch_size")
+            validate_shape(steps, topk, ndraft, where)
+            entries.append((bound, SpecShape(steps, topk, ndraft)))
+            last = bound or last
+        return cls(entries)
+
+    def shape_for(self, batch_size: int) -> SpecShape:
+        for bound, shape in self.entries:
+            if bound is None or batch_size <= bound:
+                return shape
+        return SpecShape(0, 1, 1)  # past the last range: plain decoding
+
+    @property
+    def slots_per_request(self) -> int:
+        return max(1, *(shape.slots_per_request for _, shape in self.entries))
