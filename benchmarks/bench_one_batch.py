@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads for both sides (default: torch's)")
     parser.add_argument("--json", default="bench_one_batch.json")
     args = parser.parse_args()
 
@@ -51,9 +52,13 @@ def main() -> None:
 
     from treespec.engine import Engine
 
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+
     rows = []
     for dtype in args.dtypes.split(","):
-        engine = Engine(model_path=args.model_path, dtype=dtype, disable_radix_cache=True, max_total_tokens=16384)
+        engine = Engine(model_path=args.model_path, dtype=dtype, disable_radix_cache=True, max_total_tokens=16384,
+                        num_threads=args.num_threads)
         hf = AutoModelForCausalLM.from_pretrained(engine.scheduler.model_dir, dtype=getattr(torch, dtype)).eval()
         vocab = engine.scheduler.vocab_size
         for bs in [int(b) for b in args.batch_sizes.split(",")]:

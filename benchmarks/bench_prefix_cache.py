@@ -35,10 +35,12 @@ def build_prompts(num_requests: int, shots: int) -> list[str]:
     return [prefix + f"Question: What is the capital of {c} (request {i})?\nAnswer:" for i, c in enumerate(targets)]
 
 
-def run(disable_radix_cache: bool, prompts: list[str], output_len: int, model_path: str | None) -> dict:
+def run(disable_radix_cache: bool, prompts: list[str], output_len: int, model_path: str | None,
+        threads: int | None = None) -> dict:
     from treespec.engine import Engine
 
-    engine = Engine(model_path=model_path, disable_radix_cache=disable_radix_cache, max_total_tokens=32768)
+    engine = Engine(model_path=model_path, disable_radix_cache=disable_radix_cache, max_total_tokens=32768,
+                    num_threads=threads)
     engine.generate("warm up", {"max_new_tokens": 2})
     engine.flush_cache()
     start = time.perf_counter()
@@ -68,10 +70,11 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--shots", type=int, default=20)
     parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", default="bench_prefix_cache.json")
     args = parser.parse_args()
     prompts = build_prompts(args.num_requests, args.shots)
-    rows = [run(flag, prompts, args.output_len, args.model_path) for flag in (False, True)]
+    rows = [run(flag, prompts, args.output_len, args.model_path, args.num_threads) for flag in (False, True)]
     same = rows[0]["outputs"] == rows[1]["outputs"]
     print(f"{'radix cache':>12} {'seconds':>8} {'req/s':>7} {'in tok/s':>9} {'out tok/s':>9} {'hit rate':>9}")
     for r in rows:

@@ -37,7 +37,7 @@ def load_prompts(n: int) -> list[str]:
     return (BUILTIN_PROMPTS * (n // len(BUILTIN_PROMPTS) + 1))[:n]
 
 
-def run_setting(model_path, algorithm, draft, setting, prompts_ids, batch_size, max_new_tokens) -> dict:
+def run_setting(model_path, algorithm, draft, setting, prompts_ids, batch_size, max_new_tokens, threads=None) -> dict:
     from treespec.engine import Engine
 
     kwargs = {"speculative_algorithm": "NONE"}
@@ -45,7 +45,7 @@ def run_setting(model_path, algorithm, draft, setting, prompts_ids, batch_size, 
         steps, topk, ndraft = setting
         kwargs = dict(speculative_algorithm=algorithm, speculative_draft_model_path=draft,
                       speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=ndraft)
-    engine = Engine(model_path=model_path, max_total_tokens=32768, **kwargs)
+    engine = Engine(model_path=model_path, max_total_tokens=32768, num_threads=threads, **kwargs)
     params = {"temperature": 0, "max_new_tokens": max_new_tokens}
     engine.generate(input_ids=prompts_ids[0], sampling_params={"temperature": 0, "max_new_tokens": 4})
     completion = verify = 0
@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", default="bench_speculative.json")
     args = parser.parse_args()
 
@@ -88,12 +89,13 @@ def main() -> None:
     rows, best = [], {}
     print(f"{'bs':>3} {'steps,topk,draft':>17} {'accept len':>10} {'tok/s':>8} {'vs plain':>9} {'exact':>6}")
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
-        plain = run_setting(args.model_path, args.algorithm, None, None, prompts_ids, bs, args.max_new_tokens)
+        plain = run_setting(args.model_path, args.algorithm, None, None, prompts_ids, bs, args.max_new_tokens,
+                            args.num_threads)
         print(f"{bs:>3} {'none':>17} {1.0:10.2f} {plain['output_tok_s']:8.2f} {1.0:8.2f}x {'':>6}", flush=True)
         rows.append(plain)
         for setting in settings:
             row = run_setting(args.model_path, args.algorithm, args.draft_model_path, setting, prompts_ids, bs,
-                              args.max_new_tokens)
+                              args.max_new_tokens, args.num_threads)
             row["speedup"] = row["output_tok_s"] / plain["output_tok_s"]
             row["exact"] = row["outputs"] == plain["outputs"]
             rows.append(row)
