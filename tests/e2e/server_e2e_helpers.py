@@ -13,12 +13,15 @@ import httpx
 
 REFERENCE_SCRIPT = Path(__file__).with_name("engine_reference.py")
 # one torch thread: on a shared 2-core machine, OpenMP spin-waiting makes 2 threads several times slower
-SERVER_ARGS = ["--max-total-tokens", "4096", "--num-threads", "1", "--speculative-algorithm", "NONE"]
+# fp32: outputs compared across batch compositions must not depend on bf16 rounding
+SERVER_ARGS = ["--max-total-tokens", "4096", "--num-threads", "1", "--speculative-algorithm", "NONE",
+               "--dtype", "float32"]
 
 
 def engine_reference(requests: list[dict], engine_kwargs: dict | None = None) -> list[dict]:
     """Greedy outputs of the in-process Engine for `requests`, computed in a child process."""
-    engine = {"max_total_tokens": 4096, "num_threads": 1, "speculative_algorithm": "NONE", **(engine_kwargs or {})}
+    engine = {"max_total_tokens": 4096, "num_threads": 1, "speculative_algorithm": "NONE", "dtype": "float32",
+              **(engine_kwargs or {})}
     spec = {"engine": engine, "requests": requests}
     proc = subprocess.run([sys.executable, str(REFERENCE_SCRIPT)], input=json.dumps(spec), capture_output=True,
                           text=True, timeout=900)
