@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-
 GREEDY_TEMPERATURE = 1e-6  # below this a temperature means argmax
 
 

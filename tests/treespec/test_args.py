@@ -8,7 +8,8 @@ from treespec.args import ArgError, ServerArgs
 
 
 def test_speculative_defaults_when_all_three_omitted():
-    args = ServerArgs(speculative_algorithm="eagle3")
+    # a model other than the default one: the generic defaults (the shipped heads have tuned ones)
+    args = ServerArgs(model_path="/some/model", speculative_algorithm="eagle3")
     args.validate()
     assert args.speculative_algorithm == "EAGLE3"
     assert (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (5, 4, 8)
@@ -45,3 +46,24 @@ def test_cli_parsing_and_cli_errors(capsys):
         ServerArgs.from_cli(["--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "1",
                              "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "8"])
     assert "--speculative-num-draft-tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE3", "EAGLE"])
+def test_shipped_head_is_the_default_draft_for_the_default_model(algorithm):
+    from treespec.drafts import TUNED, shipped_draft_path
+
+    shipped = shipped_draft_path(algorithm)
+    if shipped is None:
+        pytest.skip(f"no shipped {algorithm} head in this checkout")
+    args = ServerArgs(speculative_algorithm=algorithm)
+    args.validate()
+    assert args.speculative_draft_model_path == str(shipped)
+    assert (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == TUNED[algorithm]
+    # explicit settings win; another target model gets no shipped head
+    args = ServerArgs(speculative_algorithm=algorithm, speculative_num_steps=3, speculative_eagle_topk=1,
+                      speculative_num_draft_tokens=4)
+    args.validate()
+    assert (args.speculative_num_steps, args.speculative_draft_model_path) == (3, str(shipped))
+    args = ServerArgs(model_path="/some/other/model", speculative_algorithm=algorithm)
+    args.validate()
+    assert args.speculative_draft_model_path is None
