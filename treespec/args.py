@@ -9,13 +9,6 @@ from dataclasses import dataclass
 import torch
 
 
-def cpu_has_fast_bf16() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
 class ArgError(ValueError):
     """A bad flag value; the message names the flag."""
 
@@ -56,12 +49,11 @@ class ServerArgs:
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":
-            if device.type == "cpu":
-                # bf16 halves the weight bytes each decode step reads; it pays only where oneDNN has
-                # native bf16 kernels (AVX512-BF16 / AMX): measured ~1.7x faster decode than fp32 on the
-                # development CPU (benchmarks/bench_one_batch.py). Elsewhere bf16 GEMV is slower: fp32.
-                return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
-            return torch.bfloat16
+            # CPU: fp32. bf16 decodes faster on CPUs with native bf16 (measured ~1.2-1.7x here with
+            # benchmarks/bench_one_batch.py), but its rounding makes the tree-verify forward disagree
+            # with plain decoding often enough that greedy speculation stops being token-exact
+            # (measured: bench_speculative.py, exact=False in bf16). Lossless comes first.
+            return torch.float32 if device.type == "cpu" else torch.bfloat16
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
 
     def resolved_device(self) -> torch.device:
