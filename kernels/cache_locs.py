@@ -18,39 +18,26 @@ def _exclusive_cumsum(lengths: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _copy_segments_kernel(
-    req_to_token_ptr, req_pool_indices_ptr, row_starts_ptr, lengths_ptr, src_offsets_ptr, src_ptr,
-    row_stride, BLOCK: tl.constexpr,
+def _segments_kernel(
+    req_to_token_ptr, req_pool_indices_ptr, row_starts_ptr, lengths_ptr, flat_offsets_ptr, flat_ptr,
+    row_stride, TO_TABLE: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """req_to_token[req_pool_indices[b], row_starts[b] + i] = src[src_offsets[b] + i], i < lengths[b]."""
+    """Segment b of the table row req_to_token[req_pool_indices[b], row_starts[b]:+lengths[b]] and of the
+    flat array flat[flat_offsets[b]:+lengths[b]]: TO_TABLE copies flat -> table, else table -> flat."""
     b = tl.program_id(0)
     row = tl.load(req_pool_indices_ptr + b).to(tl.int64)
     row_start = tl.load(row_starts_ptr + b).to(tl.int64)
     length = tl.load(lengths_ptr + b).to(tl.int64)
-    src_start = tl.load(src_offsets_ptr + b).to(tl.int64)
-    dst = req_to_token_ptr + row * row_stride + row_start
+    table = req_to_token_ptr + row * row_stride + row_start
+    flat = flat_ptr + tl.load(flat_offsets_ptr + b).to(tl.int64)
     for first in range(0, length, BLOCK):
         offs = first + tl.arange(0, BLOCK)
-        values = tl.load(src_ptr + src_start + offs, mask=offs < length)
-        tl.store(dst + offs, values.to(tl.int32), mask=offs < length)
-
-
-@triton.jit
-def _gather_segments_kernel(
-    req_to_token_ptr, req_pool_indices_ptr, row_starts_ptr, lengths_ptr, dst_offsets_ptr, dst_ptr,
-    row_stride, BLOCK: tl.constexpr,
-):
-    """dst[dst_offsets[b] + i] = req_to_token[req_pool_indices[b], row_starts[b] + i], i < lengths[b]."""
-    b = tl.program_id(0)
-    row = tl.load(req_pool_indices_ptr + b).to(tl.int64)
-    row_start = tl.load(row_starts_ptr + b).to(tl.int64)
-    length = tl.load(lengths_ptr + b).to(tl.int64)
-    dst_start = tl.load(dst_offsets_ptr + b).to(tl.int64)
-    src = req_to_token_ptr + row * row_stride + row_start
-    for first in range(0, length, BLOCK):
-        offs = first + tl.arange(0, BLOCK)
-        values = tl.load(src + offs, mask=offs < length)
-        tl.store(dst_ptr + dst_start + offs, values.to(tl.int32), mask=offs < length)
+        if TO_TABLE:
+            values = tl.load(flat + offs, mask=offs < length)
+            tl.store(table + offs, values.to(tl.int32), mask=offs < length)
+        else:
+            values = tl.load(table + offs, mask=offs < length)
+            tl.store(flat + offs, values.to(tl.int32), mask=offs < length)
 
 
 def assign_req_to_token_pool_torch(
@@ -76,9 +63,9 @@ def assign_req_to_token_pool_triton(
     if lengths.numel() == 0:
         return
     src_offsets = _exclusive_cumsum(lengths)
-    _copy_segments_kernel[(lengths.numel(),)](
+    _segments_kernel[(lengths.numel(),)](
         req_to_token, req_pool_indices, start_offset, lengths, src_offsets, out_cache_loc,
-        req_to_token.stride(0), BLOCK=128,
+        req_to_token.stride(0), TO_TABLE=True, BLOCK=128,
     )
 
 
@@ -138,9 +125,9 @@ def create_flashinfer_kv_indices_triton(
         kv_indices_out = torch.empty(int(kv_indptr64[-1]), dtype=torch.int32, device=req_to_token.device)
     starts = torch.zeros_like(seq_lens) if kv_start_idx is None else kv_start_idx
     if seq_lens.numel() > 0:
-        _gather_segments_kernel[(seq_lens.numel(),)](
+        _segments_kernel[(seq_lens.numel(),)](
             req_to_token, req_pool_indices, starts, seq_lens, kv_indptr64, kv_indices_out,
-            req_to_token.stride(0), BLOCK=512,
+            req_to_token.stride(0), TO_TABLE=False, BLOCK=512,
         )
     return kv_indptr64.to(torch.int32), kv_indices_out
 

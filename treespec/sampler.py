@@ -18,21 +18,9 @@ def penalized_logits(reqs: list[Req], logits: torch.Tensor) -> torch.Tensor:
         if not params.has_penalties:
             continue
         counts = req.output_counts
-        if params.repetition_penalty != 1:
-            seen = req.prompt_mask.to(counts.dtype) + counts
-            row = apply_penalties(logits[i], seen, _only(params, repetition=True))
-            logits[i] = apply_penalties(row, counts, _only(params, repetition=False))
-        else:
-            logits[i] = apply_penalties(logits[i], counts, params)
+        seen = req.prompt_mask | (counts > 0) if params.repetition_penalty != 1 else None
+        logits[i] = apply_penalties(logits[i], counts, params, repetition_seen=seen)
     return logits
-
-
-def _only(params, repetition: bool):
-    from dataclasses import replace
-
-    if repetition:
-        return replace(params, frequency_penalty=0.0, presence_penalty=0.0)
-    return replace(params, repetition_penalty=1.0)
 
 
 def sampling_tensors(reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -125,12 +125,14 @@ def apply_sampling_filters(
 
 
 def apply_penalties(
-    logits: torch.Tensor, token_counts: torch.Tensor, params: SamplingParams
+    logits: torch.Tensor, token_counts: torch.Tensor, params: SamplingParams,
+    repetition_seen: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Penalise one row of logits [V] given counts [V] of tokens generated so far (OpenAI semantics for
-    frequency/presence; repetition as in HF/SGLang: divide positive logits, multiply negative ones)."""
+    frequency/presence; repetition as in HF/SGLang: divide positive logits, multiply negative ones, on
+    the tokens of `repetition_seen` [V] bool — prompt and output — or, without it, the generated ones)."""
     if params.repetition_penalty != 1:
-        seen = token_counts > 0
+        seen = token_counts > 0 if repetition_seen is None else repetition_seen
         penalised = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
         logits = torch.where(seen, penalised, logits)
     if params.frequency_penalty != 0:

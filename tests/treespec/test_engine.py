@@ -122,6 +122,11 @@ def test_penalty_semantics():
     assert torch.allclose(out, torch.tensor([1.5, -2.5, 1.0, 0.5]))
     out = apply_penalties(logits, counts, SamplingParams(repetition_penalty=2.0))
     assert torch.allclose(out, torch.tensor([1.0, -4.0, 1.0, 0.5]))
+    # repetition also covers prompt tokens (token 2 seen in the prompt only); frequency still counts output
+    prompt_or_output = torch.tensor([True, True, True, False])
+    out = apply_penalties(logits, counts, SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5),
+                          repetition_seen=prompt_or_output)
+    assert torch.allclose(out, torch.tensor([-0.5, -4.5, 0.5, 0.5]))
 
 
 def test_logprobs(engine):

@@ -10,21 +10,18 @@ from __future__ import annotations
 import torch
 
 from treespec.mem.allocator import TokenToKVPoolAllocator
-from treespec.mem.radix_cache import CacheReq, MatchResult, TokenIds, TreeNode
+from treespec.mem.radix_cache import CacheReq, MatchResult, PrefixCacheBase, TokenIds, TreeNode
 from treespec.mem.req_to_token import ReqToTokenPool
 
 
-class ChunkCache:
+class ChunkCache(PrefixCacheBase):
     def __init__(
         self,
         req_to_token_pool: ReqToTokenPool,
         token_to_kv_pool_allocator: TokenToKVPoolAllocator,
         bigram_keys: bool = False,
     ) -> None:
-        self.req_to_token_pool = req_to_token_pool
-        self.allocator = token_to_kv_pool_allocator
-        self.bigram_keys = bigram_keys
-        self.device = token_to_kv_pool_allocator.device
+        super().__init__(req_to_token_pool, token_to_kv_pool_allocator, bigram_keys)
         self.root = TreeNode(lock_ref=1)  # the only node; locking it is a no-op
 
     def _empty(self) -> torch.Tensor:
@@ -32,9 +29,6 @@ class ChunkCache:
 
     def reset(self) -> None:
         pass
-
-    def key_len(self, num_tokens: int) -> int:
-        return max(num_tokens - 1, 0) if self.bigram_keys else num_tokens
 
     def match_prefix(self, token_ids: TokenIds) -> MatchResult:
         return MatchResult(self._empty(), self.root)

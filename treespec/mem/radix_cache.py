@@ -85,8 +85,8 @@ def to_token_list(token_ids: TokenIds) -> list[int]:
     return token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
 
 
-class RadixCache:
-    """Prefix cache with LRU eviction of unlocked leaves; see the module docstring for ownership."""
+class PrefixCacheBase:
+    """What RadixCache and ChunkCache share: the pools they manage and how a key is counted."""
 
     def __init__(
         self,
@@ -98,6 +98,22 @@ class RadixCache:
         self.allocator = token_to_kv_pool_allocator
         self.bigram_keys = bigram_keys
         self.device = token_to_kv_pool_allocator.device
+
+    def key_len(self, num_tokens: int) -> int:
+        """Key entries for `num_tokens` tokens: with bigram keys (EAGLE) the last token has no key yet."""
+        return max(num_tokens - 1, 0) if self.bigram_keys else num_tokens
+
+
+class RadixCache(PrefixCacheBase):
+    """Prefix cache with LRU eviction of unlocked leaves; see the module docstring for ownership."""
+
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        token_to_kv_pool_allocator: TokenToKVPoolAllocator,
+        bigram_keys: bool = False,
+    ) -> None:
+        super().__init__(req_to_token_pool, token_to_kv_pool_allocator, bigram_keys)
         self._init_tree()
 
     def _init_tree(self) -> None:
@@ -119,10 +135,6 @@ class RadixCache:
     def _to_key(self, token_ids: TokenIds) -> list[Hashable]:
         ids = to_token_list(token_ids)
         return list(zip(ids[:-1], ids[1:], strict=False)) if self.bigram_keys else ids
-
-    def key_len(self, num_tokens: int) -> int:
-        """How many positions of a `num_tokens` sequence the tree can hold."""
-        return max(num_tokens - 1, 0) if self.bigram_keys else num_tokens
 
     # ---- lookup and insertion ---------------------------------------------------------------
     def _split(self, child: TreeNode, n: int) -> TreeNode:

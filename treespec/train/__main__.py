@@ -40,7 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train on the target's own greedy replies to each first user turn (else the dataset's replies)")
     p.add_argument("--max-prompt-tokens", type=int, default=256, help="self-distill: user turn cut to this many tokens")
     p.add_argument("--max-new-tokens", type=int, default=160, help="self-distill: reply length limit")
-    p.add_argument("--distill-batch", type=int, default=64, help="self-distill: conversations per Engine batch")
+    p.add_argument("--distill-batch", type=int, default=64, help="self-distill: conversations decoded together (running batch)")
+    p.add_argument("--distill-dtype", default="auto",
+                   help="self-distill: target dtype for generation (bfloat16 is ~2x faster on CPUs with bf16 units; "
+                        "the training signal still comes from the target in float32)")
     p.add_argument("--max-seq-len", type=int, default=512, help="training sequences are cut to this many tokens")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per step")
@@ -74,10 +77,11 @@ def build_examples(args: argparse.Namespace, model_dir: Path, tokenizer, work: P
         def make_engine() -> Engine:
             return Engine(None if args.target_model_path is None else str(model_dir),
                           max_running_requests=args.distill_batch, num_threads=args.num_threads,
+                          dtype=args.distill_dtype,
                           max_total_tokens=args.distill_batch * (args.max_prompt_tokens + args.max_new_tokens + 64))
 
         examples = self_distill(make_engine, tokenizer, convs, cache, args.max_prompt_tokens, args.max_new_tokens,
-                                chunk=args.distill_batch)
+                                chunk=4 * args.distill_batch)  # 4x: the running batch stays full across a chunk's tail
         examples = [{"input_ids": e["input_ids"][: args.max_seq_len], "loss_mask": e["loss_mask"][: args.max_seq_len]}
                     for e in examples]
     return [e for e in examples if sum(e["loss_mask"]) > 0 and len(e["input_ids"]) >= 4]
