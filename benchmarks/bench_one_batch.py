@@ -8,6 +8,11 @@ Prints a table and writes JSON (one object per (dtype, batch size) row) to --jso
 Decode tokens/s = batch * (output_len - 1) / (time(output_len tokens) - time(1 token)), so the
 prefill is subtracted out; each number is the median of --repeats runs, ours and transformers'
 interleaved so that machine noise hits both alike.
+
+The roofline columns bound what any runtime can reach: a decode step streams every weight from memory
+once, so decode tok/s <= batch * bandwidth / weight bytes, with the bandwidth measured here by a large
+matrix-vector product. "vs hf" is that bound over transformers' measured decode: a runtime speed-up
+over transformers above it is impossible on this machine.
 """
 
 from __future__ import annotations
@@ -36,6 +41,20 @@ def time_hf(model, prompts: list[list[int]], new_tokens: int) -> float:
     return time.perf_counter() - start
 
 
+def weight_stream_gb_s(dtype: torch.dtype, repeats: int = 10) -> float:
+    """Memory bandwidth as a batch-1 decode sees it: a matrix-vector product over a weight matrix far
+    larger than the caches (the best case for streaming weights)."""
+    weight = torch.randn(98304, 576).to(dtype)
+    x = torch.randn(1, 576).to(dtype)
+    for _ in range(2):
+        torch.nn.functional.linear(x, weight)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        torch.nn.functional.linear(x, weight)
+    seconds = (time.perf_counter() - start) / repeats
+    return weight.numel() * weight.element_size() / seconds / 1e9
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", default=None)
@@ -61,6 +80,9 @@ def main() -> None:
                         num_threads=args.num_threads)
         hf = AutoModelForCausalLM.from_pretrained(engine.scheduler.model_dir, dtype=getattr(torch, dtype)).eval()
         vocab = engine.scheduler.vocab_size
+        # Roofline: a batch-1 decode step reads every weight once, so it cannot beat bytes / bandwidth.
+        weight_gb = sum(p.numel() * p.element_size() for p in engine.scheduler.runner.model.parameters()) / 1e9
+        bandwidth = weight_stream_gb_s(getattr(torch, dtype))
         for bs in [int(b) for b in args.batch_sizes.split(",")]:
             gen = torch.Generator().manual_seed(bs)
             prompts = torch.randint(100, vocab, (bs, args.input_len), generator=gen).tolist()
@@ -83,6 +105,10 @@ def main() -> None:
                 "hf_decode_tok_s": decoded / max(med["hf_n"] - med["hf_1"], 1e-9),
             }
             row["decode_speedup"] = row["treespec_decode_tok_s"] / row["hf_decode_tok_s"]
+            row["weight_gb"], row["bandwidth_gb_s"] = weight_gb, bandwidth
+            # the most batch-1 decode steps per second any runtime can do here (bs>1 reads weights once too)
+            row["roofline_decode_tok_s"] = bs * bandwidth / weight_gb
+            row["roofline_vs_hf"] = row["roofline_decode_tok_s"] / row["hf_decode_tok_s"]
             row["prefill_speedup"] = row["treespec_prefill_tok_s"] / row["hf_prefill_tok_s"]
             rows.append(row)
             print_row(row)
@@ -94,12 +120,13 @@ def main() -> None:
 
 def print_row(row: dict) -> None:
     if not getattr(print_row, "header", False):
-        print(f"{'dtype':>9} {'bs':>3} | {'prefill tok/s':>27} | {'decode tok/s':>27}")
-        print(f"{'':>9} {'':>3} | {'treespec':>9} {'hf':>8} {'ratio':>7} | {'treespec':>9} {'hf':>8} {'ratio':>7}")
+        print(f"{'dtype':>9} {'bs':>3} | {'prefill tok/s':>27} | {'decode tok/s':>27} | {'roofline':>17}")
+        print(f"{'':>9} {'':>3} | {'treespec':>9} {'hf':>8} {'ratio':>7} | {'treespec':>9} {'hf':>8} {'ratio':>7} |"
+              f" {'tok/s':>7} {'vs hf':>8}")
         print_row.header = True
     print(f"{row['dtype']:>9} {row['batch_size']:>3} | {row['treespec_prefill_tok_s']:9.1f} {row['hf_prefill_tok_s']:8.1f} "
           f"{row['prefill_speedup']:6.2f}x | {row['treespec_decode_tok_s']:9.1f} {row['hf_decode_tok_s']:8.1f} "
-          f"{row['decode_speedup']:6.2f}x", flush=True)
+          f"{row['decode_speedup']:6.2f}x | {row['roofline_decode_tok_s']:7.1f} {row['roofline_vs_hf']:7.2f}x", flush=True)
 
 
 if __name__ == "__main__":
