@@ -29,12 +29,12 @@ def kernel_specs() -> list[tuple[Any, dict[str, str], dict[str, Any]]]:
         (mask_pack._segment_packbits_kernel, _signature(
             mask_pack._segment_packbits_kernel, "*i64", mask_ptr="*u8", packed_ptr="*u8",
             BLOCK_BYTES="constexpr"), {"BLOCK_BYTES": 128}),
-        (cache_locs._copy_segments_kernel, _signature(
-            cache_locs._copy_segments_kernel, "*i64", req_to_token_ptr="*i32", row_stride="i64",
-            BLOCK="constexpr"), {"BLOCK": 128}),
-        (cache_locs._gather_segments_kernel, _signature(
-            cache_locs._gather_segments_kernel, "*i64", req_to_token_ptr="*i32", dst_ptr="*i32",
-            row_stride="i64", BLOCK="constexpr"), {"BLOCK": 512}),
+        (cache_locs._segments_kernel, _signature(
+            cache_locs._segments_kernel, "*i64", req_to_token_ptr="*i32", row_stride="i64",
+            TO_TABLE="constexpr", BLOCK="constexpr"), {"TO_TABLE": True, "BLOCK": 128}),
+        (cache_locs._segments_kernel, _signature(
+            cache_locs._segments_kernel, "*i64", req_to_token_ptr="*i32", flat_ptr="*i32",
+            row_stride="i64", TO_TABLE="constexpr", BLOCK="constexpr"), {"TO_TABLE": False, "BLOCK": 512}),
         (tree_build._build_tree_kernel, _signature(
             tree_build._build_tree_kernel, "*i64", tree_mask_ptr="*u8", topk="i32", num_steps="i32",
             num_draft_tokens="i32", parent_list_width="i32", NODE_BLOCK="constexpr", PREFIX_BLOCK="constexpr"),

@@ -38,12 +38,14 @@ class ServerArgs:
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
     speculative_config: str | None = None  # JSON schedule: settings by running batch size
+    speculative_draft_dtype: str = "auto"  # auto (= the target's) | float32 | bfloat16 | float16
     # server
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
     log_level: str = "info"
     num_threads: int | None = None  # torch intra-op threads (None = torch's default)
+    disable_packed_linear: bool = False  # CPU: plain F.linear (MKL) instead of oneDNN-prepacked weights
     random_seed: int = 0
     skip_warmup: bool = False
 
@@ -56,6 +58,11 @@ class ServerArgs:
             return torch.float32 if device.type == "cpu" else torch.bfloat16
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
 
+    def resolved_draft_dtype(self, target_dtype: torch.dtype) -> torch.dtype:
+        if self.speculative_draft_dtype == "auto":
+            return target_dtype
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.speculative_draft_dtype]
+
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -67,6 +74,8 @@ class ServerArgs:
                 raise ArgError(f"{flag}: {msg}")
 
         check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "--dtype", f"unknown dtype {self.dtype!r}")
+        check(self.speculative_draft_dtype in ("auto", "float32", "bfloat16", "float16"), "--speculative-draft-dtype",
+              f"unknown dtype {self.speculative_draft_dtype!r}")
         check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "--device", f"unknown device {self.device!r}")
         if self.device.startswith("cuda"):
             check(torch.cuda.is_available(), "--device", "CUDA was requested but is not available")

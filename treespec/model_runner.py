@@ -33,6 +33,7 @@ class ModelRunner:
         device: torch.device,
         kv_pool_size: int,
         context_len: int | None = None,
+        packed_linear: bool = True,
     ) -> None:
         self.device, self.dtype = device, dtype
         self.hf_config = load_config(model_dir)
@@ -47,6 +48,7 @@ class ModelRunner:
         model.load_weights(load_hf_weights(model_dir))
         self.model = model.to(device=device, dtype=dtype).eval()
         self.model.rotary.to(device)
+        self.packed_linear = packed_linear and self.model.pack_for_inference(device, dtype)
         self.kv_pool = KVPool(
             kv_pool_size, self.config.num_layers, self.config.num_kv_heads, self.config.head_dim, dtype, device
         )

@@ -22,6 +22,7 @@ from treespec.models.config import ModelConfig
 from treespec.models.draft_weights import WeightReader, fused_layer_weights, split_layer_weights
 from treespec.models.layers import RotaryEmbedding
 from treespec.models.llama import DecoderLayer
+from treespec.models.packed_linear import head_logits
 
 ARCHITECTURE = "LlamaForCausalLMEagle"
 
@@ -41,6 +42,15 @@ class EagleDraftModel(nn.Module):
         self.embed_weight: torch.Tensor | None = None
         self.lm_head_weight: torch.Tensor | None = None
         self.own_embed = self.own_lm_head = False
+        self.packed_head: torch.Tensor | None = None  # oneDNN copy of head_weight (DraftRunner)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.lm_head_weight
+
+    @property
+    def uses_target_head(self) -> bool:
+        return not self.own_lm_head
 
     @property
     def input_hidden_size(self) -> int:
@@ -61,7 +71,7 @@ class EagleDraftModel(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin, batch, ctx)
         rows = h if batch.logits_indices is None else h[batch.logits_indices]
-        logits = F.linear(rows, self.lm_head_weight).float()
+        logits = head_logits(rows, self.lm_head_weight, self.packed_head)
         return ModelOutput(logits=logits, hidden_states=h if return_all_hidden else rows)
 
     # ------------------------------------------------------------------ checkpoint layout

@@ -30,6 +30,7 @@ from treespec.models.config import ModelConfig
 from treespec.models.draft_weights import WeightReader, fused_layer_weights, split_layer_weights
 from treespec.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from treespec.models.llama import Attention
+from treespec.models.packed_linear import head_logits
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 MIDLAYER_NORMS = ("hidden_norm",)
@@ -75,10 +76,19 @@ class Eagle3DraftModel(nn.Module):
             self.d2t = self.t2d = None
         self.embed_weight: torch.Tensor | None = None
         self.own_embed = False
+        self.packed_head: torch.Tensor | None = None  # oneDNN copy of head_weight (DraftRunner)
 
     @property
     def input_hidden_size(self) -> int:
         return 3 * self.target_hidden_size
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.lm_head if self.lm_head is not None else self.shared_lm_head
+
+    @property
+    def uses_target_head(self) -> bool:
+        return self.lm_head is None
 
     @property
     def hot_token_map(self) -> torch.Tensor | None:
@@ -122,8 +132,7 @@ class Eagle3DraftModel(nn.Module):
         cos, sin = self.rotary(batch.positions, emb.dtype)
         h = self.midlayer(emb, hidden, cos, sin, batch, ctx)
         rows = h if batch.logits_indices is None else h[batch.logits_indices]
-        head = self.lm_head if self.lm_head is not None else self.shared_lm_head
-        logits = F.linear(self.norm(rows), head).float()
+        logits = head_logits(self.norm(rows), self.head_weight, self.packed_head)
         return ModelOutput(logits=logits, hidden_states=h if return_all_hidden else rows)
 
     # ------------------------------------------------------------------ checkpoint layout

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from treespec.forward_batch import ForwardBatch, ModelOutput
 from treespec.models.config import ModelConfig
 from treespec.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+from treespec.models.packed_linear import head_logits, onednn_linear_available, pack_linears, pack_weight
 
 
 class Attention(nn.Module):
@@ -68,6 +68,16 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.packed_lm_head: torch.Tensor | None = None
+
+    def pack_for_inference(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """oneDNN-prepacked weights for every matmul (see models/packed_linear.py); the dense
+        lm_head stays, drafts share it. Returns whether packing applied."""
+        if not onednn_linear_available(device, dtype):
+            return False
+        pack_linears(self.layers, device, dtype)
+        self.packed_lm_head = pack_weight(self.lm_head_weight)
+        return True
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -83,7 +93,7 @@ class LlamaForCausalLM(nn.Module):
             h = layer(h, cos, sin, batch, ctx)
         h = self.norm(h)
         rows = h if batch.logits_indices is None else h[batch.logits_indices]
-        logits = F.linear(rows, self.lm_head_weight).float()
+        logits = head_logits(rows, self.lm_head_weight, self.packed_lm_head)
         return ModelOutput(
             logits=logits,
             hidden_states=h if return_all_hidden else rows,

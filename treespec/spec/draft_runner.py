@@ -10,11 +10,14 @@ from treespec.forward_batch import ForwardBatch, ForwardMode, ModelOutput
 from treespec.mem.kv_pool import KVPool
 from treespec.model_runner import ModelRunner, create_attn_backend
 from treespec.models.draft_loader import DraftModel, load_draft_model
+from treespec.models.packed_linear import pack_linears, pack_weight
 
 
 class DraftRunner:
-    def __init__(self, draft_path: str, algorithm: str, target: ModelRunner) -> None:
-        self.device, self.dtype = target.device, target.dtype
+    def __init__(self, draft_path: str, algorithm: str, target: ModelRunner, dtype: torch.dtype | None = None) -> None:
+        # The draft may run in a cheaper dtype than the target: verification by the target keeps the
+        # output exact whatever the draft proposes; only the accept rate can move.
+        self.device, self.dtype = target.device, dtype or target.dtype
         self.context_len = target.context_len
         model = load_draft_model(draft_path, algorithm, target.context_len)
         tcfg, dcfg = target.config, model.config
@@ -27,7 +30,12 @@ class DraftRunner:
                              f"the target has {tcfg.hidden_size}")
         self.model: DraftModel = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.rotary.to(self.device)
-        self.model.set_target_weights(target.model.embed_tokens.weight, target.model.lm_head_weight)
+        # shared with the target when the dtypes agree, else a cast copy
+        self.model.set_target_weights(target.model.embed_tokens.weight.to(self.dtype),
+                                      target.model.lm_head_weight.to(self.dtype))
+        if target.packed_linear and pack_linears(self.model, self.device, self.dtype):
+            shared = self.model.uses_target_head and self.dtype == target.dtype
+            self.model.packed_head = target.model.packed_lm_head if shared else pack_weight(self.model.head_weight)
         self.config = dcfg
         self.kv_pool = KVPool(target.kv_pool.size, dcfg.num_layers, dcfg.num_kv_heads, dcfg.head_dim,
                               self.dtype, self.device)

@@ -81,7 +81,7 @@ def build_examples(args: argparse.Namespace, model_dir: Path, tokenizer, work: P
                           max_total_tokens=args.distill_batch * (args.max_prompt_tokens + args.max_new_tokens + 64))
 
         examples = self_distill(make_engine, tokenizer, convs, cache, args.max_prompt_tokens, args.max_new_tokens,
-                                chunk=4 * args.distill_batch)  # 4x: the running batch stays full across a chunk's tail
+                                chunk=2 * args.distill_batch)  # 2x: the running batch stays full across a chunk's tail
         examples = [{"input_ids": e["input_ids"][: args.max_seq_len], "loss_mask": e["loss_mask"][: args.max_seq_len]}
                     for e in examples]
     return [e for e in examples if sum(e["loss_mask"]) > 0 and len(e["input_ids"]) >= 4]
