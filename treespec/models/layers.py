@@ -18,10 +18,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # Match HF: normalise in fp32, cast back, then scale.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # Match HF: normalise in fp32, cast back, then scale (the fused kernel for the first part).
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -47,6 +45,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 class RotaryEmbedding:
     """cos/sin table for every position, indexed by the batch's positions (HF rotate-half layout).
+    The sin table carries rotate-half's sign (first half negated), see apply_rope.
     Not an nn.Module on purpose: the tables stay fp32 when the model is cast to bf16."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
@@ -54,7 +53,8 @@ class RotaryEmbedding:
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos, self.sin = emb.cos(), emb.sin()
+        self.cos = emb.cos()
+        self.sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
 
     def to(self, device: torch.device) -> RotaryEmbedding:
         self.cos, self.sin = self.cos.to(device), self.sin.to(device)
@@ -65,10 +65,10 @@ class RotaryEmbedding:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    """x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, head_dim] from RotaryEmbedding.
+    HF's x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1]: rolling x by half gives
+    [x2, x1] and the sign sits in the sin table, exactly the same products in two fewer ops."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class GatedMLP(nn.Module):
