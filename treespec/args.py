@@ -102,6 +102,10 @@ class ServerArgs:
                 if spec == (None, None, None):
                     spec = TUNED[algo]
                     self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens = spec
+                    # the schedule tuned by benchmarks/bench_speculative.py: settings by batch size
+                    tuned_schedule = shipped / "speculative_config.json"
+                    if self.speculative_config is None and tuned_schedule.is_file():
+                        self.speculative_config = str(tuned_schedule)
         if self.speculative_config:
             from treespec.spec.schedule import ScheduleError, SpecSchedule
 

@@ -67,3 +67,30 @@ def test_shipped_head_is_the_default_draft_for_the_default_model(algorithm):
     args = ServerArgs(model_path="/some/other/model", speculative_algorithm=algorithm)
     args.validate()
     assert args.speculative_draft_model_path is None
+
+
+def test_shipped_tuned_schedule_is_used_unless_settings_are_given(tmp_path, monkeypatch):
+    import treespec.drafts as drafts
+
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text("{}")
+    (head / "model.safetensors").write_bytes(b"")
+    monkeypatch.setattr(drafts, "shipped_draft_path", lambda algorithm: head)
+    args = ServerArgs(speculative_algorithm="EAGLE3")
+    args.validate()
+    assert args.speculative_config is None  # no tuned schedule shipped: the constant TUNED setting
+    (head / "speculative_config.json").write_text('{"schedule": [{"max_batch_size": null, "num_steps": 0}]}')
+    args = ServerArgs(speculative_algorithm="EAGLE3")
+    args.validate()
+    assert args.speculative_config == str(head / "speculative_config.json")
+    # explicit settings or an explicit schedule win over the shipped one
+    args = ServerArgs(speculative_algorithm="EAGLE3", speculative_num_steps=3, speculative_eagle_topk=1,
+                      speculative_num_draft_tokens=4)
+    args.validate()
+    assert args.speculative_config is None
+    mine = tmp_path / "mine.json"
+    mine.write_text('{"schedule": [{"max_batch_size": null, "num_steps": 2, "eagle_topk": 1}]}')
+    args = ServerArgs(speculative_algorithm="EAGLE3", speculative_config=str(mine))
+    args.validate()
+    assert args.speculative_config == str(mine)
