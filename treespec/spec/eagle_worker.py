@@ -13,6 +13,8 @@ run the draft over the emitted tokens (draft extend) so its KV and state are cur
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from treespec.args import ServerArgs
@@ -56,6 +58,7 @@ class EagleWorker:
         self.draft_states: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.last_logprobs: list[list[tuple[float, list]] | None] = []
         self.stats = {"verify_steps": 0, "accepted_drafts": 0, "emitted_tokens": 0, "shrunk_steps": 0}
+        self.accept_histogram: Counter[int] = Counter()  # tokens emitted per request per verify step
         self.record_draft = False  # tests: keep every draft step's rows (paths and logits)
         self.draft_records: list[tuple[list[str], list[int], torch.Tensor, torch.Tensor]] = []
 
@@ -198,4 +201,5 @@ class EagleWorker:
         self.stats["verify_steps"] += bs
         self.stats["accepted_drafts"] += int(accept_length.sum())
         self.stats["emitted_tokens"] += sum(len(t) for t in tokens)
+        self.accept_histogram.update(len(t) for t in tokens)
         return tokens
