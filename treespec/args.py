@@ -32,7 +32,8 @@ class ServerArgs:
     page_size: int = 1
     schedule_conservativeness: float = 1.0
     # speculative decoding
-    speculative_algorithm: str = "NONE"  # NONE | EAGLE | EAGLE3
+    # auto: EAGLE3 with the shipped head when serving the embedded default model, else NONE
+    speculative_algorithm: str = "auto"  # auto | NONE | EAGLE | EAGLE3
     speculative_draft_model_path: str | None = None
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
@@ -88,8 +89,15 @@ class ServerArgs:
         check(self.page_size == 1, "--page-size", "only page size 1 is supported so far")
         check(0 < self.port < 65536, "--port", f"{self.port} is not a valid port")
         check(self.num_threads is None or self.num_threads > 0, "--num-threads", "must be positive")
-        algo = self.speculative_algorithm = (self.speculative_algorithm or "NONE").upper()
-        check(algo in ("NONE", "EAGLE", "EAGLE3"), "--speculative-algorithm", f"must be NONE, EAGLE or EAGLE3, got {algo!r}")
+        algo = (self.speculative_algorithm or "NONE").upper()
+        if algo == "AUTO":
+            from treespec.drafts import shipped_draft_path
+
+            default_model = self.model_path is None and not self.speculative_draft_model_path
+            algo = "EAGLE3" if default_model and shipped_draft_path("EAGLE3") is not None else "NONE"
+        self.speculative_algorithm = algo
+        check(algo in ("NONE", "EAGLE", "EAGLE3"), "--speculative-algorithm",
+              f"must be auto, NONE, EAGLE or EAGLE3, got {algo!r}")
         spec = (self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens)
         if algo == "NONE":
             return
