@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import sys
 from pathlib import Path
 
 from treespec.spec.schedule import SpecSchedule, SpecShape
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_speculative.py"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_loader import load_benchmark  # noqa: E402
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_speculative", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_speculative")
 
 
 def test_schedule_from_best_round_trips_through_the_server_parser(tmp_path) -> None:

@@ -15,6 +15,7 @@ import stat
 import httpx
 import openai
 import pytest
+from bench_loader import load_benchmark
 from server_e2e_helpers import SERVER_ARGS, engine_reference, pid_alive, server_info, sse_events, wait_idle
 
 from treespec.server.testing import start_server
@@ -290,6 +291,23 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "model": "nope"}, 404, "model"),
     ("/v1/completions", {"prompt": 12}, 400, "prompt"),
 ]
+
+
+@pytest.mark.parametrize("backend", ["treespec", "openai"])
+def test_bench_serving_against_the_server(server, tmp_path, backend):
+    """benchmarks/bench_serving.py end to end: fixed-length random prompts at two concurrencies."""
+    bench = load_benchmark("bench_serving")
+    out = tmp_path / "rows.jsonl"
+    rc = bench.main(["--backend", backend, "--base-url", server.base_url, "--dataset-name", "random",
+                     "--num-prompts", "4", "--random-input-len", "16", "--random-output-len", "5",
+                     "--max-concurrency", "1,2", "--output-file", str(out), "--disable-tqdm"])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rc == 0 and [r["concurrency"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["completed"] == 4 and r["failed"] == 0
+        assert r["output_tok_s"] == pytest.approx(4 * 5 / r["duration_s"])  # EOS ignored: exactly 5 each
+        assert 0 < r["ttft_ms_mean"] <= r["e2e_ms_mean"] and r["accept_length"] is None  # speculation off
+
 
 
 @pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS, ids=[f"{i}-{r[0]}" for i, r in enumerate(BAD_REQUESTS)])
