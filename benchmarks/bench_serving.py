@@ -99,6 +99,21 @@ def _sse_payloads(line: str):
             yield json.loads(data)
 
 
+async def _http_error(resp: httpx.Response) -> str:
+    return "" if resp.status_code == 200 else f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
+
+
+def _record_chunk(res: RequestResult, start: float, last: float) -> float:
+    """A streamed chunk carrying new tokens arrived: TTFT for the first, an ITL gap after that."""
+    now = time.perf_counter()
+    if res.chunks == 0:
+        res.ttft = now - start
+    else:
+        res.itls.append(now - last)
+    res.chunks += 1
+    return now
+
+
 async def send_treespec(client: httpx.AsyncClient, url: str, req: RequestInput, temperature: float,
                         model: str | None) -> RequestResult:
     body = {"input_ids": req.prompt_ids, "stream": True,
@@ -106,22 +121,17 @@ async def send_treespec(client: httpx.AsyncClient, url: str, req: RequestInput, 
                                 "ignore_eos": req.ignore_eos}}
     res, start, last, seen, meta = RequestResult(prompt_tokens=len(req.prompt_ids)), time.perf_counter(), 0.0, 0, {}
     async with client.stream("POST", f"{url}/generate", json=body) as resp:
-        if resp.status_code != 200:
-            res.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
+        res.error = await _http_error(resp)
+        if res.error:
             return res
         async for line in resp.aiter_lines():
             for chunk in _sse_payloads(line):
                 if "error" in chunk:
                     res.error = str(chunk["error"])[:200]
                     return res
-                now, n = time.perf_counter(), len(chunk.get("output_ids", []))
+                n = len(chunk.get("output_ids", []))
                 if n > seen:  # a chunk carrying new tokens (several when speculation accepts drafts)
-                    if seen == 0:
-                        res.ttft = now - start
-                    else:
-                        res.itls.append(now - last)
-                    res.chunks += 1
-                    last, seen = now, n
+                    last, seen = _record_chunk(res, start, last), n
                 meta = chunk.get("meta_info", meta)
     res.e2e = time.perf_counter() - start
     res.output_tokens = meta.get("completion_tokens", seen)
@@ -137,20 +147,14 @@ async def send_openai(client: httpx.AsyncClient, url: str, req: RequestInput, te
             "ignore_eos": req.ignore_eos}
     res, start, last, usage = RequestResult(prompt_tokens=len(req.prompt_ids)), time.perf_counter(), 0.0, None
     async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            res.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
+        res.error = await _http_error(resp)
+        if res.error:
             return res
         async for line in resp.aiter_lines():
             for chunk in _sse_payloads(line):
                 usage = chunk.get("usage") or usage
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    now = time.perf_counter()
-                    if res.chunks == 0:
-                        res.ttft = now - start
-                    else:
-                        res.itls.append(now - last)
-                    res.chunks += 1
-                    last = now
+                    last = _record_chunk(res, start, last)
     res.e2e = time.perf_counter() - start
     res.output_tokens = usage["completion_tokens"] if usage else res.chunks
     res.ok = True
