@@ -24,7 +24,8 @@ GREEDY_128 = {"temperature": 0, "max_new_tokens": 128}
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = Engine(dtype="float32", max_total_tokens=8192, max_running_requests=16)
+    # plain decoding (the default model speculates by default; the speculative paths have their own tests)
+    eng = Engine(dtype="float32", max_total_tokens=8192, max_running_requests=16, speculative_algorithm="NONE")
     yield eng
     eng.shutdown()
 
@@ -98,6 +99,22 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
     assert a["output_ids"] == b[0]["output_ids"]
     c = engine.generate("Tell me a story:", {**params, "seed": 99})
     assert c["output_ids"] != a["output_ids"]
+
+
+def test_seeded_sampling_with_a_constant_speculative_shape_is_batch_independent():
+    """With speculation the sample a seed gives depends on the tree shape (lossless in distribution,
+    not in realisation); with the shape pinned it must not depend on the batch."""
+    eng = Engine(dtype="float32", max_total_tokens=8192, speculative_algorithm="EAGLE3", speculative_num_steps=2,
+                 speculative_eagle_topk=1, speculative_num_draft_tokens=3)
+    try:
+        params = {"temperature": 0.9, "top_p": 0.9, "max_new_tokens": 20, "seed": 1234}
+        a = eng.generate("Tell me a story:", params)
+        b = eng.generate(["Tell me a story:", "Another prompt here", "x"], [params, {**params, "seed": 1}, params])
+        assert a["output_ids"] == b[0]["output_ids"]
+        assert eng.scheduler.stats["spec_verify_ct"] > 0
+        eng.check_pool_balance()
+    finally:
+        eng.shutdown()
 
 
 def test_penalties_change_output(engine):
