@@ -20,7 +20,9 @@ Prints one table row per (server, concurrency) and appends one JSON object per r
 request_rate, completed, failed, duration_s, request_throughput (req/s), input_tok_s, output_tok_s,
 total_tok_s, {ttft,itl,e2e}_ms_{mean,median,p99}, tokens_per_chunk (output tokens per streamed chunk:
 above 1 when speculation emits several tokens per step), accept_length (server-reported: completion
-tokens / verify steps, null without speculation), errors (up to 5 messages).
+tokens / verify steps, null without speculation), errors (up to 5 messages). Token counts are the
+server's (meta_info completion_tokens, or the OpenAI `usage` chunk), never re-tokenized. Exit status 1
+when a server fails to start or answer, or any request fails; each reason is printed, without a traceback.
 """
 
 from __future__ import annotations
@@ -157,6 +159,7 @@ async def send_openai(client: httpx.AsyncClient, url: str, req: RequestInput, te
                     last = _record_chunk(res, start, last)
     res.e2e = time.perf_counter() - start
     res.output_tokens = usage["completion_tokens"] if usage else res.chunks
+    res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens) if usage else res.prompt_tokens
     res.ok = True
     return res
 
@@ -226,13 +229,13 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
 def print_row(row: dict) -> None:
     if not getattr(print_row, "header", False):
         print(f"{'server':<34} {'conc':>4} {'ok':>4} {'req/s':>6} {'out tok/s':>9} {'TTFT ms mean/p99':>17} "
-              f"{'ITL ms mean/p99':>16} {'E2E ms mean/p99':>17} {'accept':>6}")
+              f"{'ITL ms mean/p99':>16} {'E2E ms mean/p99':>17} {'tok/chunk':>9} {'accept':>6}")
         print_row.header = True
     acc = f"{row['accept_length']:.2f}" if row["accept_length"] else "-"
     print(f"{row['server'][:34]:<34} {row['concurrency']:>4} {row['completed']:>4} {row['request_throughput']:6.2f} "
           f"{row['output_tok_s']:9.1f} {row['ttft_ms_mean']:8.0f}/{row['ttft_ms_p99']:<8.0f} "
           f"{row['itl_ms_mean']:7.0f}/{row['itl_ms_p99']:<8.0f} {row['e2e_ms_mean']:8.0f}/{row['e2e_ms_p99']:<8.0f} "
-          f"{acc:>6}", flush=True)
+          f"{row['tokens_per_chunk']:9.2f} {acc:>6}", flush=True)
     for err in row["errors"]:
         print(f"    error: {err}")
 
@@ -249,6 +252,35 @@ def build_inputs(args: argparse.Namespace, tokenizer) -> list[RequestInput]:
                                 args.gsp_question_len, args.gsp_output_len, rng)
 
 
+def check_server(url: str, backend: str, headers: dict) -> str | None:
+    """None when the server answers, else a one-line reason. Any OpenAI server lists /v1/models; only
+    ours (and SGLang) has /health."""
+    route = "/health" if backend == "treespec" else "/v1/models"
+    try:
+        resp = httpx.get(f"{url}{route}", timeout=10, headers=headers)
+    except httpx.HTTPError as e:
+        return f"server at {url} is not reachable: {type(e).__name__}: {e}"
+    return None if resp.status_code == 200 else f"GET {url}{route} answered HTTP {resp.status_code}: {resp.text[:200]}"
+
+
+def load_tokenizer(name: str | None, url: str, headers: dict):
+    """--tokenizer, else the served model's own when the server names a local folder (/get_model_info),
+    else the embedded default model's: prompts are token ids, so they must match the server's vocabulary."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from treespec.model_loader import resolve_model_path
+
+    if name is None:
+        try:
+            served = httpx.get(f"{url}/get_model_info", timeout=10, headers=headers).json().get("tokenizer_path")
+            name = served if served and Path(served).is_dir() else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            pass
+    return AutoTokenizer.from_pretrained(name or str(resolve_model_path(None)))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="treespec", choices=["treespec", "openai"])
@@ -260,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="start our server with these args (repeatable: each is benchmarked in turn)")
     p.add_argument("--dataset-name", default="sharegpt", choices=["sharegpt", "random", "generated-shared-prefix"])
     p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--sharegpt-output-len", type=int, default=64)
+    p.add_argument("--sharegpt-output-len", type=int, default=128)
     p.add_argument("--random-input-len", type=int, default=256)
     p.add_argument("--random-output-len", type=int, default=64)
     p.add_argument("--random-range-ratio", type=float, default=1.0)
@@ -276,39 +308,44 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-file", default="bench_serving.jsonl")
     p.add_argument("--disable-tqdm", action="store_true")
     args = p.parse_args(argv)
+    print_row.header = False  # a new table per run
 
-    from transformers import AutoTokenizer
-
-    from treespec.model_loader import resolve_model_path
-
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or str(resolve_model_path(None)))
-    inputs = build_inputs(args, tokenizer)
     concurrencies = [int(c) for c in args.max_concurrency.split(",")]
     send = send_treespec if args.backend == "treespec" else send_openai
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    print(f"{len(inputs)} prompts ({args.dataset_name}), rate {args.request_rate}, backend {args.backend}")
+    inputs: list[RequestInput] | None = None  # built once, from the first server that answers
     failed = 0
     for launch in args.launch or [None]:
         server, url, label = None, args.base_url, args.base_url
-        if launch is not None:
-            from treespec.server.testing import popen_launch_server
-
-            label = launch or "(defaults)"
-            server = popen_launch_server(shlex.split(launch) + (["--api-key", args.api_key] if args.api_key else []))
-            url = server.base_url
         try:
-            try:
-                httpx.get(f"{url}/health", timeout=10, headers=headers).raise_for_status()
-            except httpx.HTTPError as e:
-                print(f"error: server at {url} is not reachable or not healthy: {e}", file=sys.stderr)
-                return 1
+            if launch is not None:
+                from treespec.server.testing import popen_launch_server
+
+                label = launch or "(defaults)"
+                print(f"launching server: {label}", file=sys.stderr, flush=True)
+                try:
+                    server = popen_launch_server(shlex.split(launch), api_key=args.api_key)
+                except RuntimeError as e:  # exited or never healthy: the log tail says why
+                    print(f"error: server '{label}' failed to start: {e}", file=sys.stderr)
+                    failed += 1
+                    continue
+                url = server.base_url
+            error = check_server(url, args.backend, headers)
+            if error:
+                print(f"error: {error}", file=sys.stderr)
+                failed += 1
+                continue
+            if inputs is None:
+                inputs = build_inputs(args, load_tokenizer(args.tokenizer, url, headers))
+                print(f"{len(inputs)} prompts ({args.dataset_name}), rate {args.request_rate}, backend {args.backend}")
             asyncio.run(run_once(send, url, inputs[:1], 1, float("inf"), args.temperature, args.model, headers,
                                  args.seed, False))  # warm-up
             for conc in concurrencies:
                 results, duration = asyncio.run(run_once(send, url, inputs, conc, args.request_rate, args.temperature,
                                                          args.model, headers, args.seed, not args.disable_tqdm))
                 row = {"server": label, "backend": args.backend, "dataset": args.dataset_name, "concurrency": conc,
-                       "request_rate": None if args.request_rate == float("inf") else args.request_rate, **summarize(results, duration)}
+                       "request_rate": None if args.request_rate == float("inf") else args.request_rate,
+                       **summarize(results, duration)}
                 failed += row["failed"]
                 print_row(row)
                 with open(args.output_file, "a") as f:
@@ -316,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if server is not None:
                 server.terminate()
-    print(f"appended rows to {args.output_file}")
+    if inputs is not None:
+        print(f"appended rows to {args.output_file}")
     return 1 if failed else 0
 
 
