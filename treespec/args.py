@@ -13,6 +13,9 @@ class ArgError(ValueError):
     """A bad flag value; the message names the flag."""
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 @dataclass
 class ServerArgs:
     # model
@@ -57,12 +60,12 @@ class ServerArgs:
             # with plain decoding often enough that greedy speculation stops being token-exact
             # (measured: bench_speculative.py, exact=False in bf16). Lossless comes first.
             return torch.float32 if device.type == "cpu" else torch.bfloat16
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+        return DTYPES[self.dtype]
 
     def resolved_draft_dtype(self, target_dtype: torch.dtype) -> torch.dtype:
         if self.speculative_draft_dtype == "auto":
             return target_dtype
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.speculative_draft_dtype]
+        return DTYPES[self.speculative_draft_dtype]
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -74,8 +77,8 @@ class ServerArgs:
             if not ok:
                 raise ArgError(f"{flag}: {msg}")
 
-        check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "--dtype", f"unknown dtype {self.dtype!r}")
-        check(self.speculative_draft_dtype in ("auto", "float32", "bfloat16", "float16"), "--speculative-draft-dtype",
+        check(self.dtype == "auto" or self.dtype in DTYPES, "--dtype", f"unknown dtype {self.dtype!r}")
+        check(self.speculative_draft_dtype == "auto" or self.speculative_draft_dtype in DTYPES, "--speculative-draft-dtype",
               f"unknown dtype {self.speculative_draft_dtype!r}")
         check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "--device", f"unknown device {self.device!r}")
         if self.device.startswith("cuda"):
