@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -43,6 +44,8 @@ class ServerArgs:
     speculative_num_draft_tokens: int | None = None
     speculative_config: str | None = None  # JSON schedule: settings by running batch size
     speculative_draft_dtype: str = "auto"  # auto (= the target's) | float32 | bfloat16 | float16
+    # EAGLE heads: hot-token list (FR-Spec) the draft picks from; "none" turns off a shipped head's list
+    speculative_token_map: str | None = None
     # server
     host: str = "127.0.0.1"
     port: int = 30000
@@ -104,12 +107,18 @@ class ServerArgs:
         spec = (self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens)
         if algo == "NONE":
             return
+        user_token_map = self.speculative_token_map
+        check(user_token_map is None or algo == "EAGLE", "--speculative-token-map",
+              "applies to --speculative-algorithm EAGLE only (EAGLE-3 heads bring their own draft vocabulary)")
         if not self.speculative_draft_model_path and self.model_path is None:
             from treespec.drafts import TUNED, shipped_draft_path
 
             shipped = shipped_draft_path(algo)  # the head shipped for the default model
             if shipped is not None:
                 self.speculative_draft_model_path = str(shipped)
+                shipped_map = shipped / "token_map.pt"  # the hot-token list shipped with an EAGLE head
+                if user_token_map is None and shipped_map.is_file():
+                    self.speculative_token_map = str(shipped_map)
                 if spec == (None, None, None):
                     spec = TUNED[algo]
                     self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens = spec
@@ -117,6 +126,11 @@ class ServerArgs:
                     tuned_schedule = shipped / "speculative_config.json"
                     if self.speculative_config is None and tuned_schedule.is_file():
                         self.speculative_config = str(tuned_schedule)
+        if user_token_map is not None and user_token_map.lower() == "none":
+            self.speculative_token_map = None
+        elif self.speculative_token_map is not None:
+            check(Path(self.speculative_token_map).is_file(), "--speculative-token-map",
+                  f"{self.speculative_token_map!r} is not a file")
         if self.speculative_config:
             from treespec.spec.schedule import ScheduleError, SpecSchedule
 

@@ -94,3 +94,52 @@ def test_shipped_tuned_schedule_is_used_unless_settings_are_given(tmp_path, monk
     args = ServerArgs(speculative_algorithm="EAGLE3", speculative_config=str(mine))
     args.validate()
     assert args.speculative_config == str(mine)
+
+
+def test_speculative_token_map_flag(tmp_path, monkeypatch):
+    """--speculative-token-map: EAGLE only; the shipped EAGLE head's list is the default for it,
+    "none" turns that off, an explicit file wins, a missing file names the flag."""
+    import treespec.drafts as drafts
+
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text("{}")
+    (head / "model.safetensors").write_bytes(b"")
+    monkeypatch.setattr(drafts, "shipped_draft_path", lambda algorithm: head)
+    args = ServerArgs(speculative_algorithm="EAGLE")
+    args.validate()
+    assert args.speculative_token_map is None  # the head ships no list
+    (head / "token_map.pt").write_bytes(b"")
+    args = ServerArgs(speculative_algorithm="EAGLE")
+    args.validate()
+    assert args.speculative_token_map == str(head / "token_map.pt")
+    args.validate()  # validating again (the scheduler process does) keeps it
+    assert args.speculative_token_map == str(head / "token_map.pt")
+    args = ServerArgs(speculative_algorithm="EAGLE", speculative_token_map="none")
+    args.validate()
+    assert args.speculative_token_map is None
+    mine = tmp_path / "mine.pt"
+    mine.write_bytes(b"")
+    args = ServerArgs(speculative_algorithm="EAGLE", speculative_token_map=str(mine))
+    args.validate()
+    assert args.speculative_token_map == str(mine)
+    with pytest.raises(ArgError, match="--speculative-token-map.*EAGLE only"):
+        ServerArgs(speculative_algorithm="EAGLE3", speculative_token_map=str(mine)).validate()
+    with pytest.raises(ArgError, match="--speculative-token-map.*is not a file"):
+        ServerArgs(speculative_algorithm="EAGLE", speculative_token_map=str(tmp_path / "nope.pt")).validate()
+    args = ServerArgs(speculative_algorithm="NONE", speculative_token_map=str(mine))
+    args.validate()  # no speculation: nothing to restrict
+
+
+def test_shipped_eagle_head_ships_a_token_map():
+    from treespec.drafts import shipped_draft_path
+    from treespec.models.draft_loader import load_token_map
+
+    shipped = shipped_draft_path("EAGLE")
+    if shipped is None:
+        pytest.skip("no shipped EAGLE head in this checkout")
+    args = ServerArgs(speculative_algorithm="EAGLE")
+    args.validate()
+    assert args.speculative_token_map == str(shipped / "token_map.pt")
+    ids = load_token_map(args.speculative_token_map, 49152)  # SmolLM2's vocabulary
+    assert ids.numel() == 8192

@@ -112,6 +112,28 @@ def test_cli_self_distill_head_runs_in_engine(setup, tmp_path: Path) -> None:
     assert torch.load(tmp_path / "ck" / "checkpoint.pt", weights_only=False)["step"] == 6
 
 
+def test_cli_eagle_head_writes_its_token_map(setup, tmp_path: Path) -> None:
+    """An EAGLE head comes with the hot-token list its CE was trained over; the engine drafts with it."""
+    from treespec.models.draft_loader import load_token_map
+
+    out = tmp_path / "head"
+    train_main(["--algorithm", "EAGLE", "--target-model-path", str(setup["target"]), "--data", str(setup["data"]),
+                "--num-conversations", "16", "--holdout", "7", "--max-new-tokens", "16", "--max-seq-len", "64",
+                "--steps", "4", "--batch-size", "4", "--draft-vocab-size", "64",
+                "--output", str(out), "--checkpoint-dir", str(tmp_path / "ck"), "--distill-batch", "8"])
+    ids = load_token_map(out / "token_map.pt", 256)
+    assert torch.equal(ids, torch.load(tmp_path / "ck" / "checkpoint.pt", weights_only=False)["vocab_ids"])
+    assert ids.numel() == 64
+    prompts, params = [[3, 5, 7, 9, 11], [40, 41, 42, 43, 44, 45]], {"max_new_tokens": 12, "temperature": 0}
+    plain = Engine(str(setup["target"]), dtype="float32", max_total_tokens=2048)
+    spec = Engine(str(setup["target"]), dtype="float32", max_total_tokens=2048, speculative_algorithm="EAGLE",
+                  speculative_draft_model_path=str(out), speculative_token_map=str(out / "token_map.pt"),
+                  speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=5)
+    assert spec.scheduler.spec_worker.draft.model.head_weight.shape[0] == 64
+    want = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=params)]
+    assert [o["output_ids"] for o in spec.generate(input_ids=prompts, sampling_params=params)] == want
+
+
 @pytest.mark.parametrize("algorithm", ["EAGLE3", "EAGLE"])
 def test_unrolled_training_forward_matches_the_inference_drafter(setup, algorithm: str) -> None:
     """Step 0 = draft extend; step j = the j-th draft decode step of the chain (prefix + ancestors)."""

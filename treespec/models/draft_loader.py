@@ -51,6 +51,36 @@ def load_draft_model(path: str | Path, algorithm: str, max_positions: int) -> Dr
     return cls.from_checkpoint(draft_model_config(hf), hf, WeightReader(state, aliases), max_positions)
 
 
+def load_token_map(path: str | Path, vocab_size: int) -> torch.Tensor:
+    """FR-Spec hot-token list for an EAGLE head (`--speculative-token-map`, SGLang's format): a `.pt`
+    file holding a 1-D tensor (or list) of target token ids, or a `.json` list. Returns them as int64."""
+    path, flag = Path(path), "--speculative-token-map"
+    if not path.is_file():
+        raise ValueError(f"{flag} {str(path)!r} is not a file")
+    try:
+        if path.suffix == ".json":
+            raw = json.loads(path.read_text())
+        else:
+            raw = torch.load(path, map_location="cpu", weights_only=True)
+        ids = torch.as_tensor(raw)
+    except Exception as e:  # any unreadable file: one clear error naming the flag
+        raise ValueError(f"{flag} {str(path)!r} could not be read: {e}") from e
+    if ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point() or ids.dtype == torch.bool:
+        raise ValueError(f"{flag} {str(path)!r} must hold a non-empty 1-D list of token ids, "
+                         f"got {ids.dtype} of shape {tuple(ids.shape)}")
+    ids = ids.to(torch.int64)
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"{flag} {str(path)!r}: token ids must lie in [0, {vocab_size})")
+    if ids.unique().numel() != ids.numel():
+        raise ValueError(f"{flag} {str(path)!r}: token ids must be distinct")
+    return ids
+
+
+def save_token_map(token_ids: torch.Tensor, path: str | Path) -> None:
+    """Write a hot-token list in the `.pt` format `load_token_map` (and SGLang) read."""
+    torch.save(token_ids.detach().to(torch.int64).cpu().clone(), str(path))
+
+
 def draft_hf_config(cfg: ModelConfig) -> dict:
     out = {
         "model_type": "llama",

@@ -43,6 +43,7 @@ class EagleDraftModel(nn.Module):
         self.lm_head_weight: torch.Tensor | None = None
         self.own_embed = self.own_lm_head = False
         self.packed_head: torch.Tensor | None = None  # oneDNN copy of head_weight (DraftRunner)
+        self.hot_token_map: torch.Tensor | None = None  # draft-vocabulary id -> target id (FR-Spec)
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -50,7 +51,7 @@ class EagleDraftModel(nn.Module):
 
     @property
     def uses_target_head(self) -> bool:
-        return not self.own_lm_head
+        return not self.own_lm_head and self.hot_token_map is None
 
     @property
     def input_hidden_size(self) -> int:
@@ -63,6 +64,15 @@ class EagleDraftModel(nn.Module):
             self.embed_weight = embed.detach()
         if not self.own_lm_head:
             self.lm_head_weight = lm_head.detach()
+
+    def restrict_vocab(self, token_ids: torch.Tensor) -> None:
+        """FR-Spec: draft only among `token_ids` (a hot-token list). The lm_head shrinks to their rows,
+        which on a small target is most of a draft step's weight reads; logits come in that order and
+        `hot_token_map` maps them back. Drafted tokens only steer what is verified, so output is unchanged."""
+        self.hot_token_map = token_ids.to(self.lm_head_weight.device)
+        rows = self.lm_head_weight.detach()[self.hot_token_map].contiguous()
+        self.lm_head_weight = nn.Parameter(rows, requires_grad=False) if self.own_lm_head else rows
+        self.packed_head = None
 
     def forward(self, batch: ForwardBatch, ctx, return_all_hidden: bool = False) -> ModelOutput:
         emb = F.embedding(batch.input_ids, self.embed_weight)

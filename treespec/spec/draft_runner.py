@@ -9,12 +9,13 @@ from treespec.attention.metadata import AttentionMetadata, build_metadata
 from treespec.forward_batch import ForwardBatch, ForwardMode, ModelOutput
 from treespec.mem.kv_pool import KVPool
 from treespec.model_runner import ModelRunner, create_attn_backend
-from treespec.models.draft_loader import DraftModel, load_draft_model
+from treespec.models.draft_loader import DraftModel, load_draft_model, load_token_map
 from treespec.models.packed_linear import pack_linears, pack_weight
 
 
 class DraftRunner:
-    def __init__(self, draft_path: str, algorithm: str, target: ModelRunner, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, draft_path: str, algorithm: str, target: ModelRunner, dtype: torch.dtype | None = None,
+                 token_map_path: str | None = None) -> None:
         # The draft may run in a cheaper dtype than the target: verification by the target keeps the
         # output exact whatever the draft proposes; only the accept rate can move.
         self.device, self.dtype = target.device, dtype or target.dtype
@@ -33,6 +34,10 @@ class DraftRunner:
         # shared with the target when the dtypes agree, else a cast copy
         self.model.set_target_weights(target.model.embed_tokens.weight.to(self.dtype),
                                       target.model.lm_head_weight.to(self.dtype))
+        if token_map_path is not None:
+            if model.algorithm != "EAGLE":
+                raise ValueError("--speculative-token-map applies to EAGLE heads; EAGLE-3 heads bring their own")
+            self.model.restrict_vocab(load_token_map(token_map_path, tcfg.vocab_size))
         if target.packed_linear and pack_linears(self.model, self.device, self.dtype):
             shared = self.model.uses_target_head and self.dtype == target.dtype
             self.model.packed_head = target.model.packed_lm_head if shared else pack_weight(self.model.head_weight)

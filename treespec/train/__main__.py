@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from treespec.model_loader import cache_dir, resolve_model_path
-from treespec.models.draft_loader import save_draft
+from treespec.models.draft_loader import save_draft, save_token_map
 from treespec.train.data import (
     default_data_path,
     format_conversation,
@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(summary), flush=True)
     if args.output:
         save_draft(model.to(torch.bfloat16).eval(), args.output)  # bf16 on disk: half the size
+        if algo == "EAGLE":  # the tokens its CE was trained over: the head's FR-Spec hot-token list
+            vocab_ids = torch.load(work / "checkpoint.pt", weights_only=False)["vocab_ids"]
+            save_token_map(vocab_ids, Path(args.output) / "token_map.pt")
         (work / "summary.json").write_text(json.dumps(summary, indent=2))
         print(f"saved {algo} head to {args.output}")
 

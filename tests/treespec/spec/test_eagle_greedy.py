@@ -130,3 +130,31 @@ def test_shrunk_step_shapes(model_dirs, references, shape, monkeypatch) -> None:
     sampled = engine.generate(input_ids=PROMPTS[:2], sampling_params={"temperature": 0.8, "max_new_tokens": 6})
     assert all(len(s["output_ids"]) == 6 for s in sampled)
     engine.check_pool_balance()
+
+
+def test_eagle_token_map_drafts_only_hot_tokens_and_stays_exact(model_dirs, references, tmp_path, monkeypatch) -> None:
+    """FR-Spec (--speculative-token-map): the EAGLE head proposes only listed tokens, the output is
+    still plain greedy decoding, and a list that covers what the target says keeps acceptance high."""
+    import torch
+
+    import treespec.spec.eagle_worker as eagle_worker
+    from treespec.models.draft_loader import save_token_map
+
+    said = sorted({t for out in references["lookup"] for t in out})
+    hot = torch.tensor(said + [t for t in range(256) if t not in set(said)][:8])
+    assert hot.numel() < 200  # a real restriction of the 256-token vocabulary
+    save_token_map(hot, tmp_path / "map.pt")
+    proposed: set[int] = set()
+    real_topk = eagle_worker.draft_topk
+
+    def recording_topk(logits, topk, hot_token_map=None):
+        p, index = real_topk(logits, topk, hot_token_map)
+        proposed.update(index.flatten().tolist())
+        return p, index
+
+    monkeypatch.setattr(eagle_worker, "draft_topk", recording_topk)
+    engine = spec_engine(model_dirs, "lookup", "EAGLE", (5, 4, 16), speculative_token_map=str(tmp_path / "map.pt"))
+    assert engine.scheduler.spec_worker.draft.model.head_weight.shape[0] == hot.numel()
+    assert run_all(engine, batch_size=4) == references["lookup"]
+    assert proposed and proposed <= set(hot.tolist())
+    assert engine.scheduler.spec_worker.avg_accept_length > 1.8

@@ -193,3 +193,47 @@ def test_clear_errors(tmp_path, target) -> None:
         DraftRunner(str(eagle3), "EAGLE", target)
     with pytest.raises(ValueError, match="missing weight 'd2t'"):
         DraftRunner(str(eagle3), "EAGLE3", target)
+
+
+def test_token_map_restricts_the_eagle_head(tmp_path, target) -> None:
+    """FR-Spec: with a hot-token list the EAGLE head's logits are the full head's logits at those ids
+    (same hidden state), and the runner maps draft ids back to target ids."""
+    from treespec.models.draft_loader import save_token_map
+
+    state = eagle_state(seed=4)
+    path = write_checkpoint(tmp_path / "eagle", draft_config("LlamaForCausalLMEagle", VOCAB, INTER, bias=True), state)
+    hot = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1))[:40]
+    save_token_map(hot, tmp_path / "map.pt")
+    full, restricted = DraftRunner(str(path), "EAGLE", target), DraftRunner(str(path), "EAGLE", target,
+                                                                          token_map_path=str(tmp_path / "map.pt"))
+    assert full.hot_token_map is None and torch.equal(restricted.hot_token_map, hot)
+    gen = torch.Generator().manual_seed(2)
+    ids, feats = torch.randint(0, VOCAB, (T,), generator=gen), torch.randn(T, HIDDEN, generator=gen)
+    full_logits, full_hidden = run_draft(full, ids, feats)
+    logits, hidden = run_draft(restricted, ids, feats)
+    assert logits.shape == (T, 40)
+    torch.testing.assert_close(hidden, full_hidden)
+    torch.testing.assert_close(logits, full_logits[:, hot], rtol=1e-5, atol=1e-5)
+    # the target's own lm_head is untouched (the draft restricted a copy)
+    assert target.model.lm_head_weight.shape[0] == VOCAB
+
+
+@pytest.mark.parametrize("content,match", [
+    ("[1, 2, 2]", "distinct"), ("[1, 2, 999]", r"\[0, 256\)"), ("[[1, 2]]", "1-D"), ("[]", "1-D"),
+    ("[0.5, 1.5]", "1-D"), ("not json", "could not be read"),
+])
+def test_token_map_errors_name_the_flag(tmp_path, target, content, match) -> None:
+    from treespec.models.draft_loader import load_token_map
+
+    path = tmp_path / "map.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match="--speculative-token-map") as err:
+        load_token_map(path, VOCAB)
+    assert err.match(match)
+    with pytest.raises(ValueError, match="is not a file"):
+        load_token_map(tmp_path / "missing.pt", VOCAB)
+    eagle3 = write_checkpoint(tmp_path / "e3", draft_config("LlamaForCausalLMEagle3", VOCAB, INTER, draft_vocab_size=100),
+                              eagle3_state(100))
+    (tmp_path / "ok.json").write_text("[1, 2, 3]")
+    with pytest.raises(ValueError, match="--speculative-token-map applies to EAGLE heads"):
+        DraftRunner(str(eagle3), "EAGLE3", target, token_map_path=str(tmp_path / "ok.json"))
