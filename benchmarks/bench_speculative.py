@@ -98,7 +98,7 @@ def main() -> None:
     parser.add_argument("--model-path", default=None)
     parser.add_argument("--algorithm", default="EAGLE3", choices=["EAGLE", "EAGLE3"])
     parser.add_argument("--draft-model-path", default=None, help="default: the shipped head for the default model")
-    parser.add_argument("--configs", nargs="+", default=["2,1,3", "3,1,4", "5,1,6", "4,2,8", "5,4,8"],
+    parser.add_argument("--configs", nargs="+", default=["1,1,2", "2,1,3", "2,2,4", "2,4,5", "3,4,8", "5,4,8"],
                         help="steps,topk,draft_tokens triples (the shipped default is always added)")
     parser.add_argument("--batch-sizes", default="1,4,16")
     parser.add_argument("--num-prompts", type=int, default=8, help="prompts per batch size (at least the batch size)")
