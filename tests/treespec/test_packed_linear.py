@@ -32,6 +32,8 @@ needs_onednn = pytest.mark.skipif(not onednn_linear_available(CPU, torch.float32
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("rows", [0, 1, 3, 8, 16, 300])
 def test_packed_linear_matches_f_linear(dtype, tol, rows) -> None:
+    if not onednn_linear_available(CPU, dtype):
+        pytest.skip(f"this CPU cannot prepack {dtype} weights (oneDNN bf16 needs AVX512 or AVX-NE-CONVERT)")
     gen = torch.Generator().manual_seed(rows)
     linear = nn.Linear(96, 200, bias=True).to(dtype)
     with torch.no_grad():
@@ -75,3 +77,27 @@ def test_model_runner_packs_and_matches_unpacked(tmp_path) -> None:
                              attn=build_metadata([7], [slots]))
         runner.out = runner.forward(batch).logits
     torch.testing.assert_close(packed.out, plain.out, rtol=1e-4, atol=1e-4)
+
+
+def test_packing_falls_back_where_the_cpu_cannot_pack(tmp_path, monkeypatch) -> None:
+    """oneDNN's bf16 reorder raises on CPUs without AVX512 / AVX-NE-CONVERT (as on some dev machines):
+    availability is probed, and a bf16 runner there uses plain F.linear instead of crashing."""
+    import treespec.models.packed_linear as packed_linear
+
+    def no_bf16(weight, batch_hint):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert")
+
+    packed_linear._onednn_packs.cache_clear()
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", no_bf16)
+    try:
+        assert not packed_linear.onednn_linear_available(CPU, torch.bfloat16)
+        path = make_tiny_model("llama", tmp_path / "llama")
+        runner = ModelRunner(path, torch.bfloat16, CPU, kv_pool_size=64)
+        assert not runner.packed_linear
+        slots = torch.arange(1, 4)
+        batch = ForwardBatch(mode=ForwardMode.EXTEND, input_ids=torch.tensor([3, 5, 7]), positions=torch.arange(3),
+                             out_cache_loc=slots, attn=build_metadata([3], [slots]))
+        assert torch.isfinite(runner.forward(batch).logits).all()
+    finally:
+        monkeypatch.undo()
+        packed_linear._onednn_packs.cache_clear()

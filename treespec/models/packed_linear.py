@@ -12,6 +12,8 @@ torch was built with oneDNN; `pack_linears` is a no-op elsewhere.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,7 +25,21 @@ BATCH_HINT = 8
 
 def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
     return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and _onednn_packs(dtype))
+
+
+@functools.cache
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether this CPU can prepack `dtype` weights: oneDNN's bf16 path needs AVX512 (bw/vl/dq) or
+    AVX-NE-CONVERT and raises on older CPUs, where plain F.linear serves instead. A fact of the
+    hardware, so probed once per process."""
+    try:
+        packed = pack_weight(torch.zeros(8, 8, dtype=dtype))
+        packed_linear(torch.zeros(1, 8, dtype=dtype), packed, None, 8)
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
