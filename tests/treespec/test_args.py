@@ -69,7 +69,8 @@ def test_shipped_head_is_the_default_draft_for_the_default_model(algorithm):
     assert args.speculative_draft_model_path is None
 
 
-def test_shipped_tuned_schedule_is_used_unless_settings_are_given(tmp_path, monkeypatch):
+def fake_shipped_head(tmp_path, monkeypatch):
+    """An empty head folder that treespec.drafts reports as the shipped head for every algorithm."""
     import treespec.drafts as drafts
 
     head = tmp_path / "head"
@@ -77,6 +78,11 @@ def test_shipped_tuned_schedule_is_used_unless_settings_are_given(tmp_path, monk
     (head / "config.json").write_text("{}")
     (head / "model.safetensors").write_bytes(b"")
     monkeypatch.setattr(drafts, "shipped_draft_path", lambda algorithm: head)
+    return head
+
+
+def test_shipped_tuned_schedule_is_used_unless_settings_are_given(tmp_path, monkeypatch):
+    head = fake_shipped_head(tmp_path, monkeypatch)
     args = ServerArgs(speculative_algorithm="EAGLE3")
     args.validate()
     assert args.speculative_config is None  # no tuned schedule shipped: the constant TUNED setting
@@ -99,13 +105,7 @@ def test_shipped_tuned_schedule_is_used_unless_settings_are_given(tmp_path, monk
 def test_speculative_token_map_flag(tmp_path, monkeypatch):
     """--speculative-token-map: EAGLE only; the shipped EAGLE head's list is the default for it,
     "none" turns that off, an explicit file wins, a missing file names the flag."""
-    import treespec.drafts as drafts
-
-    head = tmp_path / "head"
-    head.mkdir()
-    (head / "config.json").write_text("{}")
-    (head / "model.safetensors").write_bytes(b"")
-    monkeypatch.setattr(drafts, "shipped_draft_path", lambda algorithm: head)
+    head = fake_shipped_head(tmp_path, monkeypatch)
     args = ServerArgs(speculative_algorithm="EAGLE")
     args.validate()
     assert args.speculative_token_map is None  # the head ships no list
