@@ -230,7 +230,12 @@ def test_token_map_errors_name_the_flag(tmp_path, target, content, match) -> Non
     with pytest.raises(ValueError, match="--speculative-token-map") as err:
         load_token_map(path, VOCAB)
     assert err.match(match)
-    with pytest.raises(ValueError, match="is not a file"):
+
+
+def test_token_map_missing_file_and_eagle3_head_name_the_flag(tmp_path, target) -> None:
+    from treespec.models.draft_loader import load_token_map
+
+    with pytest.raises(ValueError, match="--speculative-token-map .* is not a file"):
         load_token_map(tmp_path / "missing.pt", VOCAB)
     eagle3 = write_checkpoint(tmp_path / "e3", draft_config("LlamaForCausalLMEagle3", VOCAB, INTER, draft_vocab_size=100),
                               eagle3_state(100))
