@@ -108,7 +108,8 @@ class ServerArgs:
         if algo == "NONE":
             return
         user_token_map = self.speculative_token_map
-        check(user_token_map is None or algo == "EAGLE", "--speculative-token-map",
+        asks_for_map = user_token_map is not None and user_token_map.lower() != "none"
+        check(not asks_for_map or algo == "EAGLE", "--speculative-token-map",
               "applies to --speculative-algorithm EAGLE only (EAGLE-3 heads bring their own draft vocabulary)")
         if not self.speculative_draft_model_path and self.model_path is None:
             from treespec.drafts import TUNED, shipped_draft_path

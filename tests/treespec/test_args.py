@@ -125,6 +125,9 @@ def test_speculative_token_map_flag(tmp_path, monkeypatch):
     assert args.speculative_token_map == str(mine)
     with pytest.raises(ArgError, match="--speculative-token-map.*EAGLE only"):
         ServerArgs(speculative_algorithm="EAGLE3", speculative_token_map=str(mine)).validate()
+    args = ServerArgs(speculative_algorithm="EAGLE3", speculative_token_map="none")  # asks for nothing: fine
+    args.validate()
+    assert args.speculative_token_map is None
     with pytest.raises(ArgError, match="--speculative-token-map.*is not a file"):
         ServerArgs(speculative_algorithm="EAGLE", speculative_token_map=str(tmp_path / "nope.pt")).validate()
     args = ServerArgs(speculative_algorithm="NONE", speculative_token_map=str(mine))
