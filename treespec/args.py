@@ -127,7 +127,7 @@ class ServerArgs:
                     tuned_schedule = shipped / "speculative_config.json"
                     if self.speculative_config is None and tuned_schedule.is_file():
                         self.speculative_config = str(tuned_schedule)
-        if user_token_map is not None and user_token_map.lower() == "none":
+        if user_token_map is not None and not asks_for_map:  # "none": no list, not even a shipped one
             self.speculative_token_map = None
         elif self.speculative_token_map is not None:
             check(Path(self.speculative_token_map).is_file(), "--speculative-token-map",
