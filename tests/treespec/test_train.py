@@ -73,18 +73,23 @@ def test_training_reduces_loss_and_resumes_exactly(setup, tmp_path: Path, algori
     assert torch.equal(again.final, feats.final)
     cfg = TrainConfig(algorithm=algorithm, steps=40, batch_size=4, lr=3e-3, warmup=5, ttt_steps=3,
                       draft_vocab_size=128, save_every=10)
-    _, hist = train(cfg, target, examples, feats, tmp_path / "a.pt", False, 256, progress=False)
+    first = train(cfg, target, examples, feats, tmp_path / "a.pt", False, 256, progress=False)
+    hist = first.history
+    assert torch.equal(first.vocab_ids, torch.load(tmp_path / "a.pt", weights_only=False)["vocab_ids"])
+    assert first.vocab_ids.numel() == 128 and bool((first.vocab_ids.diff() > 0).all())
     assert sum(hist[-5:]) / 5 < (0.9 if algorithm == "EAGLE3" else 0.97) * sum(hist[:5]) / 5
     # interrupted after 13 steps, resumed to 20: same step, data position and weights as straight through
     cfg.steps = 20
-    full, _ = train(cfg, target, examples, feats, tmp_path / "b.pt", False, 256, progress=False)
+    full = train(cfg, target, examples, feats, tmp_path / "b.pt", False, 256, progress=False)
     train(cfg, target, examples, feats, tmp_path / "c.pt", False, 256, progress=False, stop_at=13)
     assert torch.load(tmp_path / "c.pt", weights_only=False)["step"] == 13
-    resumed, _ = train(cfg, target, examples, feats, tmp_path / "c.pt", True, 256, progress=False)
+    resumed = train(cfg, target, examples, feats, tmp_path / "c.pt", True, 256, progress=False)
     b, c = (torch.load(tmp_path / p, weights_only=False) for p in ("b.pt", "c.pt"))
     assert b["step"] == c["step"] == 20 and b["data"] == c["data"]
-    for name, t in full.state_dict().items():
-        assert torch.allclose(t.float(), resumed.state_dict()[name].float(), atol=1e-6), name
+    assert torch.equal(full.vocab_ids, resumed.vocab_ids)
+    assert torch.allclose(torch.tensor(full.history), torch.tensor(resumed.history), atol=1e-5)
+    for name, t in full.model.state_dict().items():
+        assert torch.allclose(t.float(), resumed.model.state_dict()[name].float(), atol=1e-6), name
 
 
 def test_cli_self_distill_head_runs_in_engine(setup, tmp_path: Path) -> None:

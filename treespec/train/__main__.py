@@ -118,17 +118,16 @@ def main(argv: list[str] | None = None) -> None:
     feats = compute_features(target, examples, capture, work.parent / "features" / model_dir.name)
     cfg = TrainConfig(algorithm=algo, steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
                       ttt_steps=ttt, draft_vocab_size=args.draft_vocab_size, save_every=args.save_every, seed=args.seed)
-    model, history = train(cfg, target, examples, feats, work / "checkpoint.pt", args.resume, max(max_positions, 2048),
+    result = train(cfg, target, examples, feats, work / "checkpoint.pt", args.resume, max(max_positions, 2048),
                            stop_at=args.stop_after)
-    tail = history[-50:]
-    summary = {"algorithm": algo, "steps": len(history), "final_loss_avg50": sum(tail) / max(len(tail), 1),
+    tail = result.history[-50:]
+    summary = {"algorithm": algo, "steps": len(result.history), "final_loss_avg50": sum(tail) / max(len(tail), 1),
                "train_sequences": len(examples), "train_tokens": n_tok, "seconds": round(time.time() - t0)}
     print(json.dumps(summary), flush=True)
     if args.output:
-        save_draft(model.to(torch.bfloat16).eval(), args.output)  # bf16 on disk: half the size
+        save_draft(result.model.to(torch.bfloat16).eval(), args.output)  # bf16 on disk: half the size
         if algo == "EAGLE":  # the tokens its CE was trained over: the head's FR-Spec hot-token list
-            vocab_ids = torch.load(work / "checkpoint.pt", weights_only=False)["vocab_ids"]
-            save_token_map(vocab_ids, Path(args.output) / "token_map.pt")
+            save_token_map(result.vocab_ids, Path(args.output) / "token_map.pt")
         (work / "summary.json").write_text(json.dumps(summary, indent=2))
         print(f"saved {algo} head to {args.output}")
 

@@ -33,6 +33,13 @@ class TrainConfig:
     grad_clip: float = 0.5
 
 
+@dataclass
+class TrainResult:
+    model: DraftModel
+    history: list[float]  # loss per optimizer step, from step 0 (also across a resume)
+    vocab_ids: torch.Tensor  # sorted target ids: the EAGLE-3 draft vocabulary / the EAGLE CE subset
+
+
 def select_draft_vocab(examples: list[dict], size: int, vocab_size: int) -> torch.Tensor:
     """The `size` target ids most frequent among the trained (assistant) tokens, then among all tokens
     of the data (prompts), then by id (BPE ids roughly follow merge frequency); returned sorted."""
@@ -135,9 +142,9 @@ def save_checkpoint(path: Path, model: DraftModel, opt: torch.optim.Optimizer, s
 
 def train(cfg: TrainConfig, target: LlamaForCausalLM, examples: list[dict], feats: Features,
           ckpt_path: Path, resume: bool, max_positions: int, progress: bool = True,
-          stop_at: int | None = None) -> tuple[DraftModel, list[float]]:
+          stop_at: int | None = None) -> TrainResult:
     """Train for cfg.steps optimizer steps (continuing from `ckpt_path` when `resume` and it exists).
-    `stop_at` ends this run early (as an interruption would). Returns the head and the loss history."""
+    `stop_at` ends this run early (as an interruption would)."""
     torch.manual_seed(cfg.seed)
     state = torch.load(ckpt_path, weights_only=False) if resume and ckpt_path.exists() else None
     if state is not None:
@@ -170,7 +177,7 @@ def train(cfg: TrainConfig, target: LlamaForCausalLM, examples: list[dict], feat
     finally:  # every N steps above, and at exit (also on Ctrl-C)
         bar.close()
         save_checkpoint(ckpt_path, model, opt, step, batches, vocab_ids, history)
-    return model, history
+    return TrainResult(model, history, vocab_ids)
 
 
 def _one_step(cfg, model, opt, params, batches, examples, feats, embed, vocab_rows, t2d, steps, step,
