@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = TrainConfig(algorithm=algo, steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
                       ttt_steps=ttt, draft_vocab_size=args.draft_vocab_size, save_every=args.save_every, seed=args.seed)
     result = train(cfg, target, examples, feats, work / "checkpoint.pt", args.resume, max(max_positions, 2048),
-                           stop_at=args.stop_after)
+                   stop_at=args.stop_after)
     tail = result.history[-50:]
     summary = {"algorithm": algo, "steps": len(result.history), "final_loss_avg50": sum(tail) / max(len(tail), 1),
                "train_sequences": len(examples), "train_tokens": n_tok, "seconds": round(time.time() - t0)}
