@@ -115,6 +115,10 @@ def test_cli_self_distill_head_runs_in_engine(setup, tmp_path: Path) -> None:
                 "--steps", "6", "--batch-size", "4", "--ttt-steps", "2", "--draft-vocab-size", "64",
                 "--checkpoint-dir", str(tmp_path / "ck"), "--resume", "--distill-batch", "8"])
     assert torch.load(tmp_path / "ck" / "checkpoint.pt", weights_only=False)["step"] == 6
+    # the reply cache is named by generation dtype: bf16 greedy replies are a different data set
+    assert [f.name.rsplit("-", 1)[1] for f in tmp_path.glob("distill-*.jsonl")] == ["float32.jsonl"]
+    with pytest.raises(SystemExit):
+        train_main(["--distill-dtype", "bf16"])  # argparse names the flag and the allowed values
 
 
 def test_cli_eagle_head_writes_its_token_map(setup, tmp_path: Path) -> None:
