@@ -60,20 +60,12 @@ def load_head(algorithm: str, path: Path, target, max_positions: int):
     return head, head.hot_token_map
 
 
-def head_argmax(algorithm: str, head, hidden: torch.Tensor) -> torch.Tensor:
-    """Top-1 draft-vocabulary id of each draft output hidden state (as the inference head computes it)."""
-    if algorithm == "EAGLE3":
-        weight = head.lm_head if head.lm_head is not None else head.shared_lm_head
-        return F.linear(head.norm(hidden), weight).argmax(-1)
-    return F.linear(hidden, head.lm_head_weight).argmax(-1)
-
-
 @torch.inference_mode()
 def chain_accuracy(algorithm: str, head, hot: torch.Tensor | None, target, sequences: list[tuple[list[int], list[int]]],
                    steps: int) -> dict:
     """Per-step top-1 accuracy and mean accepted chain length over (prompt, greedy reply) pairs."""
     from treespec.train.features import target_forward
-    from treespec.train.unroll import unroll
+    from treespec.train.unroll import draft_logits, unroll
 
     capture = head.capture_layers(target.config.num_layers) if algorithm == "EAGLE3" else []
     hits, chain, positions = [0] * steps, 0, 0
@@ -82,7 +74,7 @@ def chain_accuracy(algorithm: str, head, hot: torch.Tensor | None, target, seque
         final, aux = target_forward(target, ids, capture)
         greedy = F.linear(final[0], target.lm_head_weight).argmax(-1)  # greedy[t]: the target's token t+1
         outs = unroll(head, target.embed_tokens.weight, ids, aux if algorithm == "EAGLE3" else final, steps)
-        preds = [head_argmax(algorithm, head, h[0]) for h in outs]
+        preds = [draft_logits(head, h[0], head.head_weight).argmax(-1) for h in outs]  # draft-vocabulary ids
         if hot is not None:
             preds = [hot[p] for p in preds]
         # chain origin q: the draft extend at q (after the target has produced token q+1); step j predicts

@@ -80,9 +80,10 @@ def unroll(model, embed: torch.Tensor, ids: torch.Tensor, feats: torch.Tensor, s
 
 
 def draft_logits(model, h: torch.Tensor, lm_rows: torch.Tensor) -> torch.Tensor:
-    """Logits over the rows `lm_rows` of the head's vocabulary (EAGLE: the target lm_head rows)."""
+    """Logits over the rows `lm_rows` of the head's vocabulary (EAGLE: the target lm_head rows; EAGLE-3:
+    its own head, or the target's when it shares the vocabulary, as the inference forward reads it)."""
     if isinstance(model, Eagle3DraftModel):
-        return F.linear(model.norm(h), model.lm_head)
+        return F.linear(model.norm(h), model.head_weight)
     return F.linear(h, lm_rows)
 
 
