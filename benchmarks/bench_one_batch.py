@@ -43,14 +43,15 @@ def time_hf(model, prompts: list[list[int]], new_tokens: int) -> float:
 
 def weight_stream_gb_s(dtype: torch.dtype, repeats: int = 5) -> float:
     """Memory bandwidth as a batch-1 decode sees it: matrix-vector products over 280 MB of weights
-    (far more than the caches), the faster of MKL (F.linear) and oneDNN-prepacked weights."""
-    from treespec.models.packed_linear import onednn_linear_available, pack_weight, packed_linear
+    (far more than the caches), the faster of MKL (F.linear) and the packed layout our matmuls use here."""
+    from treespec.models.packed_linear import pack_weight, packed_linear, packing_layout
 
     weights = [torch.randn(3072, 576).to(dtype) for _ in range(280_000_000 // (3072 * 576 * 4))]
     x = torch.randn(1, 576).to(dtype)
     ways = {"mkl": [lambda w=w: torch.nn.functional.linear(x, w) for w in weights]}
-    if onednn_linear_available(torch.device("cpu"), dtype):
-        ways["onednn"] = [lambda p=pack_weight(w): packed_linear(x, p, None, 3072) for w in weights]
+    layout = packing_layout(torch.device("cpu"), dtype)
+    if layout is not None:
+        ways[layout] = [lambda p=pack_weight(w, layout): packed_linear(x, p, None) for w in weights]
     best = 0.0
     for calls in ways.values():
         for call in calls:

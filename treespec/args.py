@@ -52,7 +52,7 @@ class ServerArgs:
     api_key: str | None = None
     log_level: str = "info"
     num_threads: int | None = None  # torch intra-op threads (None = torch's default)
-    disable_packed_linear: bool = False  # CPU: plain F.linear (MKL) instead of oneDNN-prepacked weights
+    disable_packed_linear: bool = False  # CPU: plain F.linear (MKL) instead of packed weights
     random_seed: int = 0
     skip_warmup: bool = False
 

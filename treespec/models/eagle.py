@@ -22,7 +22,7 @@ from treespec.models.config import ModelConfig
 from treespec.models.draft_weights import WeightReader, fused_layer_weights, split_layer_weights
 from treespec.models.layers import RotaryEmbedding
 from treespec.models.llama import DecoderLayer
-from treespec.models.packed_linear import head_logits
+from treespec.models.packed_linear import PackedWeight, head_logits
 
 ARCHITECTURE = "LlamaForCausalLMEagle"
 
@@ -42,7 +42,7 @@ class EagleDraftModel(nn.Module):
         self.embed_weight: torch.Tensor | None = None
         self.lm_head_weight: torch.Tensor | None = None
         self.own_embed = self.own_lm_head = False
-        self.packed_head: torch.Tensor | None = None  # oneDNN copy of head_weight (DraftRunner)
+        self.packed_head: PackedWeight | None = None  # packed copy of head_weight (DraftRunner)
         self.hot_token_map: torch.Tensor | None = None  # draft-vocabulary id -> target id (FR-Spec)
 
     @property

@@ -30,7 +30,7 @@ from treespec.models.config import ModelConfig
 from treespec.models.draft_weights import WeightReader, fused_layer_weights, split_layer_weights
 from treespec.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from treespec.models.llama import Attention
-from treespec.models.packed_linear import head_logits
+from treespec.models.packed_linear import PackedWeight, head_logits
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 MIDLAYER_NORMS = ("hidden_norm",)
@@ -76,7 +76,7 @@ class Eagle3DraftModel(nn.Module):
             self.d2t = self.t2d = None
         self.embed_weight: torch.Tensor | None = None
         self.own_embed = False
-        self.packed_head: torch.Tensor | None = None  # oneDNN copy of head_weight (DraftRunner)
+        self.packed_head: PackedWeight | None = None  # packed copy of head_weight (DraftRunner)
 
     @property
     def input_hidden_size(self) -> int:

@@ -8,7 +8,7 @@ from torch import nn
 from treespec.forward_batch import ForwardBatch, ModelOutput
 from treespec.models.config import ModelConfig
 from treespec.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
-from treespec.models.packed_linear import head_logits, onednn_linear_available, pack_linears, pack_weight
+from treespec.models.packed_linear import PackedWeight, head_logits, pack_linears, pack_weight, packing_layout
 
 
 class Attention(nn.Module):
@@ -68,12 +68,12 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.packed_lm_head: torch.Tensor | None = None
+        self.packed_lm_head: PackedWeight | None = None
 
     def pack_for_inference(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """oneDNN-prepacked weights for every matmul (see models/packed_linear.py); the dense
-        lm_head stays, drafts share it. Returns whether packing applied."""
-        if not onednn_linear_available(device, dtype):
+        """Packed weights for every matmul (see models/packed_linear.py); the dense lm_head stays,
+        drafts share it. Returns whether packing applied."""
+        if packing_layout(device, dtype) is None:
             return False
         pack_linears(self.layers, device, dtype)
         self.packed_lm_head = pack_weight(self.lm_head_weight)

@@ -1,32 +1,54 @@
-"""CPU linear layers over oneDNN-prepacked weights.
+"""CPU linear layers over weights repacked once for fast small-batch matmuls.
 
-On CPU, `F.linear` goes to MKL, whose matrix-vector path streams fp32 weights at about half the
-memory bandwidth that oneDNN reaches with weights reordered once into its blocked layout, and whose
-small-M matrix products (the 2-16 rows of a speculative verify) pack the whole weight on every
-call. Decoding reads every weight once per step, so this is the step time. Measured on the 2-core
-dev machine (fp32, 3072x576 weights streamed from memory): 1 row 2.0x, 8 rows 2.7x faster.
+A batch-1 decode reads every weight once per step, so how fast a matmul streams its weight is the
+step time. `F.linear` goes to MKL, which streams fp32 weights at about half the memory bandwidth and,
+for the 2-16 rows of a speculative verify, packs the whole weight again on every call. Two packed
+layouts, chosen once per (device, dtype):
 
-Used only for inference (the packed copy is not a Parameter and gets no gradient) and only where
-torch was built with oneDNN; `pack_linears` is a no-op elsewhere.
+- "panel": fp32 on AVX2 CPUs, our kernel (`treespec.kernels.cpu_linear`): 16-column panels streamed
+  at ~31 GB/s on the 2-core dev machine, and batch-invariant (a verify row equals a decode row bit for
+  bit). Per-step matmul time of the default model there: 17 ms vs oneDNN's 28 ms at 1 row, 28 vs 42
+  ms at 8 rows.
+- "onednn": oneDNN's blocked layout (`torch.ops.mkldnn`), for bf16 where oneDNN can pack it (AVX512
+  or AVX-NE-CONVERT) and for fp32 where our kernel cannot build.
+
+Used only for inference (the packed copy is not a Parameter and gets no gradient); `pack_linears`
+is a no-op where neither layout applies.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treespec.kernels import cpu_linear
+
 # oneDNN picks its blocked layout for this many rows; 8 suits decode (1 row) and verify (4-16 rows)
 # alike on the machine we measured, and prefill chunks of hundreds of rows stay as fast as MKL's.
-BATCH_HINT = 8
+ONEDNN_BATCH_HINT = 8
 
 
-def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and _onednn_packs(dtype))
+@dataclass(frozen=True)
+class PackedWeight:
+    data: torch.Tensor
+    out_features: int
+    layout: str  # "panel" or "onednn"
+
+
+def packing_layout(device: torch.device, dtype: torch.dtype) -> str | None:
+    """The packed layout matmuls use on this device and dtype, or None for plain F.linear."""
+    if device.type != "cpu":
+        return None
+    if dtype == torch.float32 and cpu_linear.load() is not None:
+        return "panel"
+    if (dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and _onednn_packs(dtype)):
+        return "onednn"
+    return None
 
 
 @functools.cache
@@ -35,53 +57,68 @@ def _onednn_packs(dtype: torch.dtype) -> bool:
     AVX-NE-CONVERT and raises on older CPUs, where plain F.linear serves instead. A fact of the
     hardware, so probed once per process."""
     try:
-        packed = pack_weight(torch.zeros(8, 8, dtype=dtype))
-        packed_linear(torch.zeros(1, 8, dtype=dtype), packed, None, 8)
+        packed = _onednn_pack(torch.zeros(8, 8, dtype=dtype))
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 8, dtype=dtype), packed, None, "none", [], "")
     except RuntimeError:
         return False
     return True
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] dense weight -> oneDNN blocked weight for `packed_linear`."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), BATCH_HINT)
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), ONEDNN_BATCH_HINT)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor, layout: str | None = None) -> PackedWeight:
+    """[out, in] dense weight -> its packed copy for `packed_linear` (layout: this device's by default)."""
+    layout = layout or packing_layout(weight.device, weight.dtype)
+    if layout == "panel":
+        data = cpu_linear.load().pack(weight.detach().contiguous())
+    elif layout == "onednn":
+        data = _onednn_pack(weight)
+    else:
+        raise ValueError(f"no packed layout for {weight.dtype} weights on {weight.device}")
+    return PackedWeight(data, weight.shape[0], layout)
+
+
+def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] == 0:
-        return x.new_empty(*x.shape[:-1], out_features)
-    out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed, bias, "none", [], "")
-    return out.view(*x.shape[:-1], out_features)
+        return x.new_empty(*x.shape[:-1], packed.out_features)
+    if packed.layout == "panel":
+        out = cpu_linear.load().linear(rows.contiguous(), packed.data, bias, packed.out_features)
+    else:
+        out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed.data, bias, "none", [], "")
+    return out.view(*x.shape[:-1], packed.out_features)
 
 
-def head_logits(rows: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
+def head_logits(rows: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None) -> torch.Tensor:
     """fp32 logits of an lm_head, through its packed copy when there is one."""
     if packed is None:
         return F.linear(rows, weight).float()
-    return packed_linear(rows, packed, None, weight.shape[0]).float()
+    return packed_linear(rows, packed, None).float()
 
 
 class PackedLinear(nn.Module):
     """Drop-in for an inference-only nn.Linear; the dense weight is dropped to save memory."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, layout: str | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = pack_weight(linear.weight)
+        self.packed = pack_weight(linear.weight, layout)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.packed, self.bias, self.out_features)
+        return packed_linear(x, self.packed, self.bias)
 
 
 def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
-    """Replace every nn.Linear under `model` by a PackedLinear (when oneDNN serves this device and
-    dtype). Returns how many were replaced."""
-    if not onednn_linear_available(device, dtype):
+    """Replace every nn.Linear under `model` by a PackedLinear (when a packed layout serves this
+    device and dtype). Returns how many were replaced."""
+    layout = packing_layout(device, dtype)
+    if layout is None:
         return 0
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
+        setattr(parent, name, PackedLinear(child, layout))
     return len(targets)

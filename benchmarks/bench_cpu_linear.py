@@ -1,0 +1,80 @@
+"""CPU matmul layouts side by side: the time of one decode step's matmuls (every linear layer of a
+Llama-family model, lm_head included) for several row counts, through our panel kernel, oneDNN's
+prepacked layout and plain F.linear (MKL), interleaved in one run.
+
+    python benchmarks/bench_cpu_linear.py                         # SmolLM2-135M's shapes, fp32
+    python benchmarks/bench_cpu_linear.py --rows 1,2,4,8 --json cpu_linear.json
+
+Rows = tokens in the forward: 1 is a batch-1 decode, 2-16 a speculative verify, hundreds a prefill
+chunk. Each shape gets enough distinct weights (--weight-mb per shape) that they stream from memory
+instead of sitting in cache, as in a real step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from treespec.models.packed_linear import _onednn_packs, pack_weight, packed_linear, packing_layout
+
+# (out, in, count per step) of SmolLM2-135M: fused qkv, o, fused gate/up, down over 30 layers + lm_head
+SMOLLM2_SHAPES = [(960, 576, 30), (576, 576, 30), (3072, 576, 30), (576, 1536, 30), (49152, 576, 1)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="1,2,4,8,16,64,256")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--weight-mb", type=int, default=60, help="distinct weights per shape, in MB")
+    parser.add_argument("--json", default="bench_cpu_linear.json")
+    args = parser.parse_args()
+
+    cpu = torch.device("cpu")
+    layouts = [name for name, ok in [("panel", packing_layout(cpu, torch.float32) == "panel"),
+                                     ("onednn", torch.backends.mkldnn.is_available() and _onednn_packs(torch.float32))]
+               if ok]
+    gen = torch.Generator().manual_seed(0)
+    weights = {}
+    for out_f, in_f, _ in SMOLLM2_SHAPES:
+        copies = max(1, args.weight_mb * 2**20 // (out_f * in_f * 4))
+        dense = [torch.randn(out_f, in_f, generator=gen) / in_f**0.5 for _ in range(copies)]
+        weights[(out_f, in_f)] = {"mkl": dense, **{name: [pack_weight(w, name) for w in dense] for name in layouts}}
+
+    def call(way: str, x: torch.Tensor, weight) -> torch.Tensor:
+        return F.linear(x, weight) if way == "mkl" else packed_linear(x, weight, None)
+
+    rows_out = []
+    print(f"{'rows':>5} | " + " ".join(f"{w + ' ms':>10}" for w in ["mkl", *layouts]) + " | fastest vs mkl, onednn")
+    for rows in [int(r) for r in args.rows.split(",")]:
+        step_ms = {way: 0.0 for way in ["mkl", *layouts]}
+        for out_f, in_f, per_step in SMOLLM2_SHAPES:
+            x = torch.randn(rows, in_f, generator=gen)
+            samples = {way: [] for way in step_ms}
+            for _ in range(args.repeats):
+                for way in step_ms:  # interleaved: machine noise hits every layout alike
+                    ws = weights[(out_f, in_f)][way]
+                    call(way, x, ws[0])
+                    start = time.perf_counter()
+                    for w in ws:
+                        call(way, x, w)
+                    samples[way].append((time.perf_counter() - start) / len(ws))
+            for way in step_ms:
+                step_ms[way] += statistics.median(samples[way]) * per_step * 1e3
+        best = min(step_ms, key=step_ms.get)
+        ratios = f"{best} {step_ms['mkl'] / step_ms[best]:.2f}x"
+        if "onednn" in step_ms:
+            ratios += f", {step_ms['onednn'] / step_ms[best]:.2f}x"
+        print(f"{rows:>5} | " + " ".join(f"{v:10.1f}" for v in step_ms.values()) + f" | {ratios}", flush=True)
+        rows_out.append({"rows": rows, "step_ms": step_ms, "threads": torch.get_num_threads()})
+    with open(args.json, "w") as f:
+        json.dump(rows_out, f, indent=2)
+    print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
