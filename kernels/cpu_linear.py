@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import platform
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -28,6 +29,10 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_linear.cpp")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+EXTENSION_NAME = "treespec_cpu_linear"
+# torch's builder waits forever on a lock left by a build that was killed (Ctrl-C on a first start);
+# a build takes ~30 s, so a lock this old is stale.
+STALE_LOCK_SECONDS = 600
 
 
 def cpu_supports_avx2() -> bool:
@@ -56,3 +61,16 @@ def load() -> ModuleType | None:
         logger.warning("panel linear kernel unavailable (%s: %s); using oneDNN/MKL", type(err).__name__, err)
         return None
     return module
+
+
+def clear_stale_build_lock(max_age_s: float = STALE_LOCK_SECONDS) -> bool:
+    """Remove the build lock of a killed build so the next start does not hang. Returns whether
+    a lock was removed."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(EXTENSION_NAME, False)) / "lock"
+    if not lock.exists() or time.time() - lock.stat().st_mtime < max_age_s:
+        return False
+    logger.warning("removing a stale build lock %s (left by an interrupted build)", lock)
+    lock.unlink(missing_ok=True)
+    return True

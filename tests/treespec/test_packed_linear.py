@@ -157,3 +157,17 @@ def test_fp32_falls_back_to_onednn_without_the_panel_kernel(monkeypatch) -> None
     monkeypatch.setattr(cpu_linear, "load", lambda: None)
     want = "onednn" if torch.backends.mkldnn.is_available() and _onednn_packs(torch.float32) else None
     assert packing_layout(CPU, torch.float32) == want
+
+
+def test_a_stale_build_lock_is_removed(tmp_path, monkeypatch) -> None:
+    """A build killed mid-way leaves torch's lock file, and the next build would wait on it forever."""
+    import os
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / cpu_linear.EXTENSION_NAME / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    assert not cpu_linear.clear_stale_build_lock()  # fresh: a build may be running, leave it
+    old = lock.stat().st_mtime - 2 * cpu_linear.STALE_LOCK_SECONDS
+    os.utime(lock, (old, old))
+    assert cpu_linear.clear_stale_build_lock() and not lock.exists()
