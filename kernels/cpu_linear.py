@@ -1,9 +1,10 @@
-"""fp32 CPU linear layer over weights repacked into 16-column panels (`cpu_linear.cpp`, AVX2 + FMA).
+"""CPU linear layer over weights repacked into 16-column panels (`cpu_linear.cpp`, AVX2 + FMA).
 
-Contract: `pack(w)` turns an fp32 [N, K] weight into [ceil(N/16), K, 16] panels (zero-padded);
-`linear(x, panels, bias, N)` returns x @ w.T (+ bias) for a contiguous fp32 [M, K] input. Each output
-element is a multiply-add chain over k in order, so a row's result is bit-identical whatever else is
-in the batch (a tree verify reproduces a decode step exactly).
+Contract: `pack(w)` turns an fp32 or bf16 [N, K] weight into [ceil(N/16), K, 16] panels (zero-padded);
+`linear(x, panels, bias, N)` returns x @ w.T (+ bias) for a contiguous [M, K] input of the weight's
+dtype, accumulated in fp32 and rounded once to that dtype (as F.linear). Each output element is a
+multiply-add chain over k in order, so a row's result is bit-identical whatever else is in the batch
+(a tree verify reproduces a decode step exactly).
 
 Why: a batch-1 decode streams every weight once per step. On the 2-core AVX2 dev machine this kernel
 streams fp32 weights at ~31 GB/s against oneDNN's prepacked 14-26 GB/s and MKL's 10-16 GB/s, and stays

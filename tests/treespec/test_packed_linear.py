@@ -31,12 +31,13 @@ from model_factory import make_tiny_model  # noqa: E402
 CPU = torch.device("cpu")
 needs_packing = pytest.mark.skipif(packing_layout(CPU, torch.float32) is None, reason="no packed layout on this CPU")
 needs_panel = pytest.mark.skipif(cpu_linear.load() is None, reason="panel kernel unavailable on this CPU")
-LAYOUTS = [("panel", torch.float32, 1e-5), ("onednn", torch.float32, 1e-5), ("onednn", torch.bfloat16, 2e-2)]
+LAYOUTS = [("panel", torch.float32, 1e-5), ("panel", torch.bfloat16, 2e-2), ("onednn", torch.float32, 1e-5),
+           ("onednn", torch.bfloat16, 2e-2)]
 
 
 def layout_available(layout: str, dtype: torch.dtype) -> bool:
     if layout == "panel":
-        return dtype == torch.float32 and cpu_linear.load() is not None
+        return cpu_linear.load() is not None
     return torch.backends.mkldnn.is_available() and _onednn_packs(dtype)
 
 
@@ -75,16 +76,21 @@ def test_packed_linear_matches_f_linear(layout, dtype, tol, rows) -> None:
 
 
 @needs_panel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("out_features,in_features", [(200, 96), (37, 13), (576, 1536)])
-def test_panel_kernel_rows_do_not_depend_on_the_batch(out_features, in_features) -> None:
+def test_panel_kernel_rows_do_not_depend_on_the_batch(out_features, in_features, dtype) -> None:
     """Every tile shape (6, 5, ..., 1 rows; 96-row blocks) computes a row the same way: a verify of
     several tokens must reproduce a one-token decode bit for bit, which greedy speculation relies on."""
     gen = torch.Generator().manual_seed(out_features)
-    weight = torch.randn(out_features, in_features, generator=gen)
-    bias = torch.randn(out_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype)
     packed = pack_weight(weight, "panel")
-    x = torch.randn(200, in_features, generator=gen)
+    x = torch.randn(200, in_features, generator=gen).to(dtype)
     full = packed_linear(x, packed, bias)
+    if dtype == torch.bfloat16:  # fp32 accumulation, one rounding: F.linear's fp32 result, rounded
+        want = F.linear(x.float(), weight.float(), bias.float()).to(dtype)
+        torch.testing.assert_close(full, want)  # within a bf16 ulp (fp32 sums in another order) ...
+        assert (full == want).float().mean() > 0.99  # ... and almost always the same rounding
     for start, rows in [(0, 1), (7, 1), (3, 2), (5, 4), (11, 5), (13, 6), (17, 13), (100, 100)]:
         part = packed_linear(x[start:start + rows], packed, bias)
         assert torch.equal(part, full[start:start + rows]), (start, rows)
@@ -95,7 +101,7 @@ def test_panel_kernel_rejects_mismatched_inputs() -> None:
     packed = pack_weight(torch.randn(8, 16), "panel")
     with pytest.raises(RuntimeError, match="does not match"):
         packed_linear(torch.randn(2, 15), packed, None)
-    with pytest.raises(RuntimeError, match="fp32"):
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
         packed_linear(torch.randn(2, 16, dtype=torch.float64), packed, None)
     with pytest.raises(ValueError, match="no packed layout"):
         pack_weight(torch.randn(8, 16, dtype=torch.float16), None)
@@ -109,28 +115,31 @@ def test_pack_linears_replaces_every_linear() -> None:
     assert pack_linears(nn.Linear(2, 2), torch.device("meta"), torch.float32) == 0  # not CPU: untouched
 
 
-@needs_packing
-def test_model_runner_packs_and_matches_unpacked(tmp_path) -> None:
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_model_runner_packs_and_matches_unpacked(tmp_path, dtype, tol) -> None:
     """The parity tests run through ModelRunner; this pins that they exercise the packed path and
     that packed and plain runners agree on a decode and a multi-token verify-like extend."""
+    if packing_layout(CPU, dtype) is None:
+        pytest.skip(f"no packed layout for {dtype} on this CPU")
     path = make_tiny_model("qwen2", tmp_path / "qwen2")  # qkv bias and a tied lm_head
-    packed = ModelRunner(path, torch.float32, CPU, kv_pool_size=64)
-    plain = ModelRunner(path, torch.float32, CPU, kv_pool_size=64, packed_linear=False)
+    packed = ModelRunner(path, dtype, CPU, kv_pool_size=64)
+    plain = ModelRunner(path, dtype, CPU, kv_pool_size=64, packed_linear=False)
     assert packed.packed_linear and not plain.packed_linear
     assert packed.model.packed_lm_head is not None
-    assert packed.model.packed_lm_head.layout == packing_layout(CPU, torch.float32)
+    assert packed.model.packed_lm_head.layout == packing_layout(CPU, dtype)
     ids = torch.tensor([3, 17, 5, 9, 11, 2, 7])
     slots = torch.arange(1, 8)
     for runner in (packed, plain):
         batch = ForwardBatch(mode=ForwardMode.EXTEND, input_ids=ids, positions=torch.arange(7), out_cache_loc=slots,
                              attn=build_metadata([7], [slots]))
         runner.out = runner.forward(batch).logits
-    torch.testing.assert_close(packed.out, plain.out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(packed.out, plain.out, rtol=tol, atol=tol)
 
 
 def test_packing_falls_back_where_the_cpu_cannot_pack(tmp_path, monkeypatch) -> None:
     """oneDNN's bf16 reorder raises on CPUs without AVX512 / AVX-NE-CONVERT (as on some dev machines):
-    availability is probed, and a bf16 runner there uses plain F.linear instead of crashing."""
+    availability is probed, bf16 weights there take the panel kernel, and without that kernel too a
+    bf16 runner uses plain F.linear instead of crashing."""
     import treespec.models.packed_linear as packed_linear_module
 
     def no_bf16(weight, batch_hint):
@@ -139,6 +148,9 @@ def test_packing_falls_back_where_the_cpu_cannot_pack(tmp_path, monkeypatch) -> 
     packed_linear_module._onednn_packs.cache_clear()
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", no_bf16)
     try:
+        want = "panel" if cpu_linear.load() is not None else None
+        assert packed_linear_module.packing_layout(CPU, torch.bfloat16) == want
+        monkeypatch.setattr(cpu_linear, "load", lambda: None)
         assert packed_linear_module.packing_layout(CPU, torch.bfloat16) is None
         path = make_tiny_model("llama", tmp_path / "llama")
         runner = ModelRunner(path, torch.bfloat16, CPU, kv_pool_size=64)

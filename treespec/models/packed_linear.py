@@ -5,12 +5,13 @@ step time. `F.linear` goes to MKL, which streams fp32 weights at about half the 
 for the 2-16 rows of a speculative verify, packs the whole weight again on every call. Two packed
 layouts, chosen once per (device, dtype):
 
-- "panel": fp32 on AVX2 CPUs, our kernel (`treespec.kernels.cpu_linear`): 16-column panels streamed
-  at ~31 GB/s on the 2-core dev machine, and batch-invariant (a verify row equals a decode row bit for
-  bit). Per-step matmul time of the default model there: 17 ms vs oneDNN's 28 ms at 1 row, 28 vs 42
-  ms at 8 rows.
-- "onednn": oneDNN's blocked layout (`torch.ops.mkldnn`), for bf16 where oneDNN can pack it (AVX512
-  or AVX-NE-CONVERT) and for fp32 where our kernel cannot build.
+- "panel": our kernel (`treespec.kernels.cpu_linear`) on AVX2 CPUs, for fp32, and for bf16 where
+  oneDNN cannot pack bf16: 16-column panels streamed at ~25-31 GB/s on the 2-core dev machine, and
+  batch-invariant (a verify row equals a decode row bit for bit). Per-step matmul time of the
+  default model there in fp32: 22 ms vs oneDNN's 30 ms at 1 row, 32 vs 43 ms at 8 rows.
+- "onednn": oneDNN's blocked layout (`torch.ops.mkldnn`), for bf16 where oneDNN packs it (AVX512 or
+  AVX-NE-CONVERT: native bf16 dot products, which matter for prefill) and for fp32 where our kernel
+  cannot build.
 
 Used only for inference (the packed copy is not a Parameter and gets no gradient); `pack_linears`
 is a no-op where neither layout applies.
@@ -41,14 +42,15 @@ class PackedWeight:
 
 def packing_layout(device: torch.device, dtype: torch.dtype) -> str | None:
     """The packed layout matmuls use on this device and dtype, or None for plain F.linear."""
-    if device.type != "cpu":
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
-    if dtype == torch.float32 and cpu_linear.load() is not None:
-        return "panel"
-    if (dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and _onednn_packs(dtype)):
+    onednn = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+              and _onednn_packs(dtype))
+    if dtype == torch.bfloat16 and onednn:
         return "onednn"
-    return None
+    if cpu_linear.load() is not None:
+        return "panel"
+    return "onednn" if onednn else None
 
 
 @functools.cache
