@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from treespec.models.packed_linear import _onednn_packs, pack_weight, packed_linear, packing_layout
+from treespec.models.packed_linear import onednn_packs, pack_weight, packed_linear, packing_layout
 
 # (out, in, count per step) of SmolLM2-135M: fused qkv, o, fused gate/up, down over 30 layers + lm_head
 SMOLLM2_SHAPES = [(960, 576, 30), (576, 576, 30), (3072, 576, 30), (576, 1536, 30), (49152, 576, 1)]
@@ -36,7 +36,7 @@ def main() -> None:
 
     cpu = torch.device("cpu")
     layouts = [name for name, ok in [("panel", packing_layout(cpu, torch.float32) == "panel"),
-                                     ("onednn", torch.backends.mkldnn.is_available() and _onednn_packs(torch.float32))]
+                                     ("onednn", onednn_packs(torch.float32))]
                if ok]
     gen = torch.Generator().manual_seed(0)
     weights = {}

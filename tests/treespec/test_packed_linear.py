@@ -17,8 +17,8 @@ from treespec.kernels import cpu_linear
 from treespec.model_runner import ModelRunner
 from treespec.models.packed_linear import (
     PackedLinear,
-    _onednn_packs,
     head_logits,
+    onednn_packs,
     pack_linears,
     pack_weight,
     packed_linear,
@@ -38,7 +38,7 @@ LAYOUTS = [("panel", torch.float32, 1e-5), ("panel", torch.bfloat16, 2e-2), ("on
 def layout_available(layout: str, dtype: torch.dtype) -> bool:
     if layout == "panel":
         return cpu_linear.load() is not None
-    return torch.backends.mkldnn.is_available() and _onednn_packs(dtype)
+    return onednn_packs(dtype)
 
 
 def test_fp32_uses_the_panel_kernel_on_avx2_cpus() -> None:
@@ -167,7 +167,7 @@ def test_packing_falls_back_where_the_cpu_cannot_pack(tmp_path, monkeypatch) -> 
 def test_fp32_falls_back_to_onednn_without_the_panel_kernel(monkeypatch) -> None:
     """No compiler, no AVX2 or a failed build: fp32 matmuls keep oneDNN's layout (or F.linear)."""
     monkeypatch.setattr(cpu_linear, "load", lambda: None)
-    want = "onednn" if torch.backends.mkldnn.is_available() and _onednn_packs(torch.float32) else None
+    want = "onednn" if onednn_packs(torch.float32) else None
     assert packing_layout(CPU, torch.float32) == want
 
 

@@ -44,13 +44,19 @@ def packing_layout(device: torch.device, dtype: torch.dtype) -> str | None:
     """The packed layout matmuls use on this device and dtype, or None for plain F.linear."""
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
-    onednn = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-              and _onednn_packs(dtype))
+    onednn = onednn_packs(dtype)
     if dtype == torch.bfloat16 and onednn:
         return "onednn"
     if cpu_linear.load() is not None:
         return "panel"
     return "onednn" if onednn else None
+
+
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's prepacked layout serves `dtype` on this CPU (torch built with oneDNN, and
+    the CPU able to reorder such weights)."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and _onednn_packs(dtype))
 
 
 @functools.cache
