@@ -13,7 +13,7 @@ from torch import nn
 
 from treespec.attention.metadata import build_metadata
 from treespec.forward_batch import ForwardBatch, ForwardMode
-from treespec.kernels import cpu_linear
+from treespec.kernels import cpu_extension, cpu_linear
 from treespec.model_runner import ModelRunner
 from treespec.models.packed_linear import (
     PackedLinear,
@@ -44,7 +44,7 @@ def layout_available(layout: str, dtype: torch.dtype) -> bool:
 def test_fp32_uses_the_panel_kernel_on_avx2_cpus() -> None:
     """The kernel falls back quietly where it cannot build; on an AVX2 machine (CI's) a broken build
     must fail here instead of silently costing the speed-up."""
-    if not cpu_linear.cpu_supports_avx2():
+    if not cpu_extension.cpu_supports_avx2():
         pytest.skip("CPU without AVX2")
     assert cpu_linear.load() is not None
     assert packing_layout(CPU, torch.float32) == "panel"
@@ -169,17 +169,3 @@ def test_fp32_falls_back_to_onednn_without_the_panel_kernel(monkeypatch) -> None
     monkeypatch.setattr(cpu_linear, "load", lambda: None)
     want = "onednn" if onednn_packs(torch.float32) else None
     assert packing_layout(CPU, torch.float32) == want
-
-
-def test_a_stale_build_lock_is_removed(tmp_path, monkeypatch) -> None:
-    """A build killed mid-way leaves torch's lock file, and the next build would wait on it forever."""
-    import os
-
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    lock = tmp_path / cpu_linear.EXTENSION_NAME / "lock"
-    lock.parent.mkdir(parents=True)
-    lock.touch()
-    assert not cpu_linear.clear_stale_build_lock()  # fresh: a build may be running, leave it
-    old = lock.stat().st_mtime - 2 * cpu_linear.STALE_LOCK_SECONDS
-    os.utime(lock, (old, old))
-    assert cpu_linear.clear_stale_build_lock() and not lock.exists()

@@ -48,8 +48,8 @@ class Eagle3MidLayer(nn.Module):
 
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor, cos, sin, batch: ForwardBatch, ctx) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
-        h = hidden + self.self_attn(x, cos, sin, batch, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h, normed = self.post_attention_layernorm.add_forward(self.self_attn(x, cos, sin, batch, ctx), hidden)
+        return h + self.mlp(normed)
 
 
 class Eagle3DraftModel(nn.Module):

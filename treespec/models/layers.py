@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from treespec.kernels import cpu_norm
 
 
 class RMSNorm(nn.Module):
@@ -14,12 +17,38 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernel: ModuleType | None = None  # kernels/cpu_norm.cpp, set by use_cpu_norm_kernel
+
+    def _kernel_applies(self, x: torch.Tensor) -> bool:
+        return self.kernel is not None and x.dtype == torch.float32 and not torch.is_grad_enabled()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernel_applies(x):
+            rows = x.reshape(-1, x.shape[-1]).contiguous()
+            return self.kernel.rms_norm(rows, self.weight, self.eps).view(x.shape)
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Match HF: normalise in fp32, cast back, then scale (the fused kernel for the first part).
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, norm(h)) with h = residual + x: the residual stream and its normalised copy."""
+        if self._kernel_applies(x) and x.dim() == 2:
+            return self.kernel.add_rms_norm(x.contiguous(), residual.contiguous(), self.weight, self.eps)
+        h = residual + x
+        return h, self(h)
+
+
+def use_cpu_norm_kernel(model: nn.Module) -> int:
+    """Route the fp32 inference forward of every RMSNorm under `model` through kernels/cpu_norm.cpp
+    (where it builds). Returns how many norms use it."""
+    kernel = cpu_norm.load()
+    if kernel is None:
+        return 0
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    for norm in norms:
+        norm.kernel = kernel
+    return len(norms)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

@@ -7,7 +7,7 @@ from torch import nn
 
 from treespec.forward_batch import ForwardBatch, ModelOutput
 from treespec.models.config import ModelConfig
-from treespec.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+from treespec.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope, use_cpu_norm_kernel
 from treespec.models.packed_linear import PackedWeight, head_logits, pack_linears, pack_weight, packing_layout
 
 
@@ -54,8 +54,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, cos, sin, batch: ForwardBatch, ctx) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn_out = self.self_attn(self.input_layernorm(h), cos, sin, batch, ctx)
+        h, normed = self.post_attention_layernorm.add_forward(attn_out, h)
+        return h + self.mlp(normed)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -71,12 +72,13 @@ class LlamaForCausalLM(nn.Module):
         self.packed_lm_head: PackedWeight | None = None
 
     def pack_for_inference(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """Packed weights for every matmul (see models/packed_linear.py); the dense lm_head stays,
-        drafts share it. Returns whether packing applied."""
+        """Packed weights for every matmul (see models/packed_linear.py), the dense lm_head kept for
+        drafts to share, and the CPU RMSNorm kernel. Returns whether packing applied."""
         if packing_layout(device, dtype) is None:
             return False
         pack_linears(self.layers, device, dtype)
         self.packed_lm_head = pack_weight(self.lm_head_weight)
+        use_cpu_norm_kernel(self)
         return True
 
     @property

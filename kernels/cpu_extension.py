@@ -1,0 +1,63 @@
+"""Compiling our C++ CPU kernels (`cpu_linear.cpp`, `cpu_norm.cpp`) with torch's extension builder.
+
+Each source is compiled once per machine (ninja + the system C++ compiler, ~30 s) into torch's
+extension cache, then checked against torch on a small probe. `build` returns None, with a logged
+reason, where the CPU lacks AVX2/FMA or the build or the probe fails; callers then keep the torch path.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+# torch's builder waits forever on a lock left by a build that was killed (Ctrl-C on a first start);
+# a build takes ~30 s, so a lock this old is stale.
+STALE_LOCK_SECONDS = 600
+
+
+def cpu_supports_avx2() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64") and torch.backends.cpu.get_cpu_capability() in (
+        "AVX2", "AVX512")
+
+
+def clear_stale_build_lock(name: str, max_age_s: float = STALE_LOCK_SECONDS) -> bool:
+    """Remove the build lock of a killed build of extension `name` so this build does not hang.
+    Returns whether a lock was removed."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, False)) / "lock"
+    if not lock.exists() or time.time() - lock.stat().st_mtime < max_age_s:
+        return False
+    logger.warning("removing a stale build lock %s (left by an interrupted build)", lock)
+    lock.unlink(missing_ok=True)
+    return True
+
+
+def build(name: str, source: Path, probe: Callable[[ModuleType], None]) -> ModuleType | None:
+    """The compiled extension `name` from `source`, or None where it cannot run here. `probe(module)`
+    raises if the build computes wrong results."""
+    if not cpu_supports_avx2():
+        logger.info("%s off: this CPU has no AVX2/FMA", name)
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        logger.info("loading %s (compiled on first use on this machine, ~30 s)", name)
+        clear_stale_build_lock(name)
+        # -fopenmp only at compile time: at::parallel_for's OpenMP calls then resolve to the runtime
+        # torch already loaded, so the kernel shares torch's thread pool and thread count.
+        module = load(name, [str(source)], extra_cflags=CFLAGS, verbose=False)
+        probe(module)
+    except Exception as err:  # no compiler, no ninja, a broken build: fall back, say why
+        logger.warning("%s unavailable (%s: %s); using the torch path", name, type(err).__name__, err)
+        return None
+    return module

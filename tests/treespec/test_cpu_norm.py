@@ -1,0 +1,135 @@
+"""The CPU RMSNorm kernel (kernels/cpu_norm.cpp): torch's results, rows independent of their batch,
+inference only, and the model runners really use it; plus the shared extension builder."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from treespec.kernels import cpu_extension, cpu_norm
+from treespec.model_runner import ModelRunner
+from treespec.models.layers import RMSNorm, use_cpu_norm_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from model_factory import make_tiny_model  # noqa: E402
+
+CPU = torch.device("cpu")
+needs_kernel = pytest.mark.skipif(cpu_norm.load() is None, reason="CPU norm kernel unavailable on this CPU")
+
+
+def test_the_kernel_builds_on_avx2_cpus() -> None:
+    """It falls back quietly where it cannot build; on an AVX2 machine (CI's) a broken build must
+    fail here instead of silently costing the speed-up."""
+    if not cpu_extension.cpu_supports_avx2():
+        pytest.skip("CPU without AVX2")
+    assert cpu_norm.load() is not None
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,width", [(0, 576), (1, 576), (3, 64), (7, 37), (300, 576)])
+def test_rms_norm_matches_torch(rows, width) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + width)
+    x = torch.randn(rows, width, generator=gen) * 3
+    residual = torch.randn(rows, width, generator=gen)
+    weight = torch.rand(width, generator=gen) + 0.5
+    kernel = cpu_norm.load()
+    want = F.rms_norm(x, (width,), weight, 1e-6)
+    torch.testing.assert_close(kernel.rms_norm(x, weight, 1e-6), want, rtol=1e-5, atol=1e-6)
+    h, y = kernel.add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(h, residual + x)
+    torch.testing.assert_close(y, F.rms_norm(residual + x, (width,), weight, 1e-6), rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+def test_a_row_is_normalised_the_same_in_any_batch() -> None:
+    """Tree verify and decode must agree bit for bit on a row, whatever else is in the batch."""
+    x = torch.randn(200, 576)
+    weight = torch.rand(576)
+    kernel = cpu_norm.load()
+    whole = kernel.rms_norm(x, weight, 1e-5)
+    for i in (0, 63, 64, 199):
+        assert torch.equal(kernel.rms_norm(x[i : i + 1].clone(), weight, 1e-5), whole[i : i + 1])
+
+
+@needs_kernel
+def test_bad_inputs_raise_clear_errors() -> None:
+    kernel = cpu_norm.load()
+    with pytest.raises(RuntimeError, match="fp32"):
+        kernel.rms_norm(torch.randn(2, 8, dtype=torch.bfloat16), torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match="weight"):
+        kernel.rms_norm(torch.randn(2, 8), torch.ones(9), 1e-5)
+    with pytest.raises(RuntimeError, match="residual"):
+        kernel.add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.ones(8), 1e-5)
+
+
+@needs_kernel
+def test_rms_norm_module_uses_the_kernel_for_inference_only() -> None:
+    norm = RMSNorm(64, 1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    plain = RMSNorm(64, 1e-5)
+    plain.load_state_dict(norm.state_dict())
+    assert use_cpu_norm_kernel(norm) == 1 and norm.kernel is not None
+    x, residual = torch.randn(5, 3, 64), torch.randn(5, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(norm(x), plain(x))
+        h, y = norm.add_forward(x[:, 0], residual)
+        assert torch.equal(h, residual + x[:, 0])
+        torch.testing.assert_close(y, plain(residual + x[:, 0]))
+    # with autograd on (training) the torch path runs and gradients flow
+    x.requires_grad_(True)
+    norm(x).sum().backward()
+    assert x.grad is not None and norm.weight.grad is not None
+
+
+@needs_kernel
+def test_runners_route_their_norms_through_the_kernel(tmp_path) -> None:
+    path = make_tiny_model("llama", tmp_path / "llama")
+    fp32 = ModelRunner(path, torch.float32, CPU, kv_pool_size=64)
+    norms = [m for m in fp32.model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(m.kernel is not None for m in norms)
+    unpacked = ModelRunner(path, torch.float32, CPU, kv_pool_size=64, packed_linear=False)
+    assert all(m.kernel is None for m in unpacked.model.modules() if isinstance(m, RMSNorm))
+
+
+def test_a_stale_build_lock_is_removed(tmp_path, monkeypatch) -> None:
+    """A build killed mid-way leaves torch's lock file, and the next build would wait on it forever."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "some_ext" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    assert not cpu_extension.clear_stale_build_lock("some_ext")  # fresh: a build may be running, leave it
+    old = lock.stat().st_mtime - 2 * cpu_extension.STALE_LOCK_SECONDS
+    os.utime(lock, (old, old))
+    assert cpu_extension.clear_stale_build_lock("some_ext") and not lock.exists()
+
+
+def test_build_clears_a_stale_lock_and_falls_back_on_a_failed_probe(tmp_path, monkeypatch) -> None:
+    import torch.utils.cpp_extension as cpp_extension
+
+    if not cpu_extension.cpu_supports_avx2():
+        pytest.skip("CPU without AVX2: build() returns before compiling")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "fake_ext" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    old = lock.stat().st_mtime - 2 * cpu_extension.STALE_LOCK_SECONDS
+    os.utime(lock, (old, old))
+    seen = {}
+
+    def fake_load(name, sources, **kwargs):
+        seen["lock_gone"] = not lock.exists()
+        return "module"
+
+    def failing_probe(module):
+        raise AssertionError("wrong results")
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    assert cpu_extension.build("fake_ext", tmp_path / "x.cpp", lambda m: None) == "module"
+    assert seen["lock_gone"]
+    assert cpu_extension.build("fake_ext", tmp_path / "x.cpp", failing_probe) is None
