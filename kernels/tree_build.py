@@ -37,58 +37,67 @@ from ._triton_utils import next_pow2, use_triton
 TreeTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+def _parent_nodes(parent_list: list[int], selected: list[int], topk: int) -> list[int]:
+    """One request's parent node per tree node (host ints): -1 for the root and for orphans."""
+    node_of = {candidate: i + 1 for i, candidate in enumerate(selected)}
+    width = len(parent_list)
+    parents = [-1]
+    for candidate in selected:
+        if candidate < topk:
+            parents.append(0)
+            continue
+        parent_candidate = parent_list[min(candidate // topk, width - 1)] if width else -1
+        parents.append(node_of.get(parent_candidate, -1) if parent_candidate >= 0 else -1)
+    return parents
+
+
 def tree_parent_nodes(parent_list: torch.Tensor, top_scores_index: torch.Tensor, topk: int) -> torch.Tensor:
     """Parent node of every tree node, int64 [bs, n]: -1 for the root and for orphans (see module doc)."""
-    bs = top_scores_index.shape[0]
-    sel = top_scores_index.to(torch.int64)
-    if parent_list.shape[1] > 0:
-        slot = (sel // topk).clamp(max=parent_list.shape[1] - 1)
-        parent_cand = torch.where(sel >= topk, parent_list.to(torch.int64).gather(1, slot), -1)
-    else:
-        parent_cand = torch.full_like(sel, -1)
-    match = (parent_cand[:, :, None] == sel[:, None, :]) & (parent_cand[:, :, None] >= 0)
-    found_node = match.to(torch.int8).argmax(-1) + 1
-    parent = torch.where(sel < topk, 0, torch.where(match.any(-1), found_node, -1))
-    return torch.cat([torch.full((bs, 1), -1, dtype=torch.int64, device=sel.device), parent], dim=1)
+    parent_rows = parent_list.tolist()
+    parents = [_parent_nodes(parent_rows[b], sel, topk) for b, sel in enumerate(top_scores_index.tolist())]
+    return torch.tensor(parents, dtype=torch.int64, device=top_scores_index.device).view(len(parents), -1)
 
 
 def build_tree_torch(
     parent_list: torch.Tensor, top_scores_index: torch.Tensor, seq_lens: torch.Tensor, topk: int,
     num_steps: int, num_draft_tokens: int, seq_lens_sum: int | None = None,
 ) -> TreeTensors:
+    # A loop over host ints: a step's trees are a few to a few dozen nodes, where one torch op per
+    # node set costs more than walking the nodes in Python (the CPU path runs this every step).
     bs, n = seq_lens.numel(), num_draft_tokens
     device = seq_lens.device
-    seq_lens = seq_lens.to(torch.int64)
-    parent = tree_parent_nodes(parent_list, top_scores_index, topk)
-    nodes = torch.arange(n, device=device)
+    lens = seq_lens.tolist()
+    parent_rows, selected = parent_list.tolist(), top_scores_index.tolist()
+    total = sum(lens) * n + bs * n * n if seq_lens_sum is None else seq_lens_sum * n + bs * n * n
+    tree_mask = torch.ones(total, dtype=torch.bool)  # prefix columns stay True
+    positions, next_token, next_sibling = [], [], []
+    offset = 0
+    for b in range(bs):
+        parents = _parent_nodes(parent_rows[b], selected[b], topk)
+        ancestors = [[False] * n for _ in range(n)]
+        for t in range(n):
+            ancestors[t][t] = True
+            depth, cur = 0, parents[t]
+            for _ in range(num_steps):
+                if cur < 0:
+                    break
+                ancestors[t][cur] = True
+                depth, cur = depth + 1, parents[cur]
+            positions.append(lens[b] + depth)
+            children = [u for u in range(n) if parents[u] == t]
+            next_token.append(children[0] if children else -1)
+            later = [u for u in range(t + 1, n) if parents[t] >= 0 and parents[u] == parents[t]]
+            next_sibling.append(later[0] if later else -1)
+        width = lens[b] + n
+        tree_mask[offset : offset + n * width].view(n, width)[:, lens[b]:] = torch.tensor(ancestors)
+        offset += n * width
 
-    ancestors = nodes[None, :, None] == nodes[None, None, :]  # [1, n, n]: self
-    ancestors = ancestors.expand(bs, n, n).clone()
-    cur = nodes.expand(bs, n)
-    for _ in range(num_steps):
-        cur = torch.where(cur >= 0, parent.gather(1, cur.clamp(min=0)), -1)
-        ancestors |= (cur[:, :, None] == nodes[None, None, :]) & (cur[:, :, None] >= 0)
-    depth = ancestors.sum(-1) - 1
-    positions = (seq_lens[:, None] + depth).flatten()
+    def as_tensor(values: list[int], *shape: int) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).view(*shape).to(device)
 
-    is_child = parent[:, :, None] == nodes[None, None, :]  # [bs, child u, node t]
-    first_child = torch.where(is_child, nodes[None, :, None], n).amin(1)
-    same_parent = (parent[:, None, :] == parent[:, :, None]) & (parent[:, :, None] >= 0)  # [bs, t, u]
-    later = nodes[None, :] > nodes[:, None]  # [t, u]: u > t
-    next_sibling = torch.where(same_parent & later, nodes[None, None, :], n).amin(2)
-    retrive_next_token = torch.where(first_child < n, first_child, -1)
-    retrive_next_sibling = torch.where(next_sibling < n, next_sibling, -1)
     retrive_index = torch.arange(bs * n, device=device).view(bs, n)
-
-    widths = seq_lens + n
-    block_starts = torch.zeros(bs + 1, dtype=torch.int64, device=device)
-    torch.cumsum(widths * n, 0, out=block_starts[1:])
-    total = int(block_starts[-1]) if seq_lens_sum is None else seq_lens_sum * n + bs * n * n
-    tree_mask = torch.ones(total, dtype=torch.bool, device=device)  # prefix columns stay True
-    tree_cols = (block_starts[:-1, None, None] + nodes[None, :, None] * widths[:, None, None]
-                 + seq_lens[:, None, None] + nodes[None, None, :])
-    tree_mask[tree_cols.flatten()] = ancestors.flatten()
-    return tree_mask, positions, retrive_index, retrive_next_token, retrive_next_sibling
+    return (tree_mask.to(device), as_tensor(positions, bs * n), retrive_index, as_tensor(next_token, bs, n),
+            as_tensor(next_sibling, bs, n))
 
 
 @triton.jit

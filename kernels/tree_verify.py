@@ -35,31 +35,32 @@ def verify_tree_greedy_torch(
     candidates: torch.Tensor, retrive_index: torch.Tensor, retrive_next_token: torch.Tensor,
     retrive_next_sibling: torch.Tensor, target_predict: torch.Tensor, max_depth: int,
 ) -> VerifyOutputs:
+    # A walk over host ints (the trees are small; per-node torch ops would dominate a CPU step).
     bs, n = candidates.shape
-    predicts, accept_index, accept_token_num = allocate_verify_outputs(bs, n, max_depth, candidates.device)
-    batch = torch.arange(bs, device=candidates.device)
-    last = torch.zeros(bs, dtype=torch.int64, device=candidates.device)
-    walking = torch.ones(bs, dtype=torch.bool, device=candidates.device)
-    accept_index[:, 0] = retrive_index[:, 0]
-    for depth in range(1, max_depth + 1):
-        target = target_predict[batch, last]
-        cur = torch.where(walking, retrive_next_token[batch, last], -1)
-        chosen = torch.full_like(cur, -1)
-        while bool((cur >= 0).any()):
-            live = cur >= 0
-            hit = live & (candidates[batch, cur.clamp(min=0)] == target)
-            chosen = torch.where(hit, cur, chosen)
-            cur = torch.where(live & ~hit, retrive_next_sibling[batch, cur.clamp(min=0)], -1)
-        matched = chosen >= 0
-        if not bool(matched.any()):
-            break
-        predicts[retrive_index[batch, last][matched]] = target[matched]
-        accept_index[matched, depth] = retrive_index[batch, chosen.clamp(min=0)][matched]
-        accept_token_num += matched
-        last = torch.where(matched, chosen, last)
-        walking = matched
-    predicts[retrive_index[batch, last]] = target_predict[batch, last]
-    return predicts, accept_index, accept_token_num
+    tokens, rows = candidates.tolist(), retrive_index.tolist()
+    next_token, next_sibling = retrive_next_token.tolist(), retrive_next_sibling.tolist()
+    target = target_predict.tolist()
+    predicts = [0] * (bs * n)
+    accept_index = [[-1] * (max_depth + 1) for _ in range(bs)]
+    accept_token_num = [0] * bs
+    for b in range(bs):
+        last = 0
+        accept_index[b][0] = rows[b][0]
+        for depth in range(1, max_depth + 1):
+            cur = next_token[b][last]
+            while cur >= 0 and tokens[b][cur] != target[b][last]:
+                cur = next_sibling[b][cur]
+            if cur < 0:
+                break
+            predicts[rows[b][last]] = target[b][last]
+            accept_index[b][depth] = rows[b][cur]
+            accept_token_num[b] += 1
+            last = cur
+        predicts[rows[b][last]] = target[b][last]
+    device = candidates.device
+    return (torch.tensor(predicts, dtype=torch.int64, device=device),
+            torch.tensor(accept_index, dtype=torch.int64, device=device).view(bs, max_depth + 1),
+            torch.tensor(accept_token_num, dtype=torch.int64, device=device))
 
 
 @triton.jit

@@ -20,9 +20,9 @@ def create_attn_backend(device: torch.device, cfg: ModelConfig | None = None, dt
         try:
             from treespec.attention.flashinfer_backend import FlashInferAttnBackend
         except ImportError:
-            return TorchAttnBackend(device)
+            return TorchAttnBackend(device, dtype)
         return FlashInferAttnBackend(device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype)
-    return TorchAttnBackend(device)
+    return TorchAttnBackend(device, dtype)
 
 
 class ModelRunner:

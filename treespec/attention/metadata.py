@@ -12,6 +12,7 @@ mask_indptr holds the byte offset of each request's packed mask.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -40,11 +41,9 @@ def build_metadata(
     ([qo_len, kv_len] each)."""
     from treespec.attention.mask import pack_bool_masks
 
-    qo_indptr = torch.zeros(len(qo_lens) + 1, dtype=torch.int32)
-    qo_indptr[1:] = torch.cumsum(torch.tensor(qo_lens, dtype=torch.int32), 0)
-    kv_lens = [int(s.numel()) for s in kv_slot_lists]
-    kv_indptr = torch.zeros(len(kv_lens) + 1, dtype=torch.int32)
-    kv_indptr[1:] = torch.cumsum(torch.tensor(kv_lens, dtype=torch.int32), 0)
+    # Host lists first, one tensor each: this runs several times per speculative step.
+    qo_indptr = torch.tensor([0, *accumulate(qo_lens)], dtype=torch.int32)
+    kv_indptr = torch.tensor([0, *accumulate(int(s.numel()) for s in kv_slot_lists)], dtype=torch.int32)
     kv_indices = (
         torch.cat(kv_slot_lists).to(torch.int64) if kv_slot_lists else torch.zeros(0, dtype=torch.int64)
     )

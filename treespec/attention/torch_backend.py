@@ -1,7 +1,10 @@
-"""Reference attention backend: reads FlashInfer-format metadata and computes attention with torch.
+"""CPU / reference attention backend: reads FlashInfer-format metadata and computes attention.
 
 Everything that depends only on the metadata (gather indices, masks) is built once per forward in
-`init_forward_metadata`; each layer then does one gather and one scaled_dot_product_attention.
+`init_forward_metadata`; each layer then does one gather and one scaled_dot_product_attention. fp32
+batches whose requests have at most KERNEL_MAX_QUERY_ROWS query rows (decode, tree verify, draft
+steps) go to the C++ kernel `kernels/cpu_attention.cpp` instead, which reads the pool and the packed
+mask in place and computes each row alone, so a verify row matches the decode of its token bit for bit.
 """
 
 from __future__ import annotations
@@ -11,6 +14,11 @@ import torch.nn.functional as F
 
 from treespec.attention.mask import unpackbits_little
 from treespec.attention.metadata import AttentionMetadata
+from treespec.kernels import cpu_attention
+
+# Query rows per request. The kernel's cost grows with the rows (~20 us each at 400 cached tokens on
+# the 2-core dev machine) where SDPA's stays at ~140-200 us up to 8 rows: they cross near 10 rows.
+KERNEL_MAX_QUERY_ROWS = 8
 
 
 def request_masks(meta: AttentionMetadata) -> list[torch.Tensor | None]:
@@ -33,13 +41,26 @@ def request_masks(meta: AttentionMetadata) -> list[torch.Tensor | None]:
 
 
 class TorchAttnBackend:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype | None = None) -> None:
         self.device = device
+        use_kernel = device.type == "cpu" and dtype == torch.float32
+        self.kernel = cpu_attention.load() if use_kernel else None
+        self.kernel_args: tuple | None = None
 
     def init_forward_metadata(self, meta: AttentionMetadata) -> None:
         qo = meta.qo_indptr.tolist()
         kv = meta.kv_indptr.tolist()
         bs = len(qo) - 1
+        self.kernel_args = None
+        if self.kernel is not None and bs > 0 and max(qo[b + 1] - qo[b] for b in range(bs)) <= KERNEL_MAX_QUERY_ROWS:
+            masked = meta.custom_mask is not None
+            self.kernel_args = (
+                meta.qo_indptr.to(torch.int64), meta.kv_indptr.to(torch.int64),
+                meta.kv_indices.to(torch.int64).contiguous(),
+                meta.custom_mask.contiguous() if masked else cpu_attention.EMPTY_MASK,
+                meta.mask_indptr.to(torch.int64) if masked else cpu_attention.EMPTY_INDPTR,
+            )
+            return
         self.bs = bs
         self.num_tokens = qo[-1]
         self._tiled = None
@@ -80,6 +101,8 @@ class TorchAttnBackend:
 
         Grouped-query attention without repeating K/V: the G query heads that share a KV head are
         folded into the query-length axis ([Hkv, G * q_len, D]) and the mask is tiled to match."""
+        if self.kernel_args is not None:
+            return self.kernel.attention(q.contiguous(), k_buffer, v_buffer, *self.kernel_args, scale)
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k_buffer.shape[1]
         group = num_heads // num_kv_heads

@@ -46,7 +46,7 @@ class DraftRunner:
         self.config = dcfg
         self.kv_pool = KVPool(target.kv_pool.size, dcfg.num_layers, dcfg.num_kv_heads, dcfg.head_dim,
                               self.dtype, self.device)
-        self.attn_backend = create_attn_backend(self.device)
+        self.attn_backend = create_attn_backend(self.device, dtype=self.dtype)
         self.hot_token_map = getattr(self.model, "hot_token_map", None)
 
     @torch.inference_mode()

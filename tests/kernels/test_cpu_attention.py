@@ -1,0 +1,135 @@
+import pytest
+import torch
+
+from treespec.attention.mask import pack_bool_masks
+from treespec.attention.metadata import build_metadata
+from treespec.attention.torch_backend import KERNEL_MAX_QUERY_ROWS, TorchAttnBackend
+from treespec.kernels import cpu_attention
+
+kernel = cpu_attention.load()
+pytestmark = pytest.mark.skipif(kernel is None, reason="the CPU attention kernel does not build on this machine")
+
+
+def kernel_attention(q, k_buf, v_buf, qo_lens, kv_slots, masks, scale):
+    """Call the kernel on per-request inputs: masks None (all causal) or one bool mask per request."""
+    qo = torch.tensor([0, *torch.tensor(qo_lens).cumsum(0).tolist()])
+    kv = torch.tensor([0, *torch.tensor([s.numel() for s in kv_slots]).cumsum(0).tolist()])
+    packed, indptr = cpu_attention.EMPTY_MASK, cpu_attention.EMPTY_INDPTR
+    if masks is not None:
+        packed, indptr = pack_bool_masks(masks)
+        indptr = indptr.to(torch.int64)
+    return kernel.attention(q, k_buf, v_buf, qo, kv, torch.cat(kv_slots), packed, indptr, scale)
+
+
+def random_pool(slots: int, kv_heads: int, head_dim: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(slots, kv_heads, head_dim, generator=g), torch.randn(slots, kv_heads, head_dim, generator=g), g
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 20), (8, 2, 128), (6, 1, 40)])
+def test_matches_reference_causal_and_masked(heads: int, kv_heads: int, head_dim: int):
+    k_buf, v_buf, g = random_pool(300, kv_heads, head_dim, head_dim)
+    qo_lens, kv_lens = [1, 3, 1, 5], [37, 12, 1, 90]
+    kv_slots = [torch.randperm(299, generator=g)[:n] + 1 for n in kv_lens]
+    q = torch.randn(sum(qo_lens), heads, head_dim, generator=g)
+    scale = head_dim**-0.5
+    causal = cpu_attention.reference_attention(q, k_buf, v_buf, qo_lens, kv_slots, [None] * 4, scale)
+    torch.testing.assert_close(kernel_attention(q, k_buf, v_buf, qo_lens, kv_slots, None, scale), causal)
+    masks = [torch.rand(qn, kn, generator=g) < 0.6 for qn, kn in zip(qo_lens, kv_lens, strict=True)]
+    for m in masks:
+        m[:, 0] = True  # every row sees something (the empty case has its own test)
+    masked = cpu_attention.reference_attention(q, k_buf, v_buf, qo_lens, kv_slots, masks, scale)
+    torch.testing.assert_close(kernel_attention(q, k_buf, v_buf, qo_lens, kv_slots, masks, scale), masked)
+
+
+def test_tree_verify_row_is_bit_identical_to_decode():
+    """Every verify row (prefix + a 4-node tree, mask) equals the causal decode of its path (masked
+    columns between the visible ones change nothing), and a decode row's output does not depend on
+    the other requests in the batch."""
+    k_buf, v_buf, g = random_pool(600, 3, 64, 1)
+    prefix = torch.arange(1, 451)
+    tree_slots = torch.tensor([500, 501, 502, 503])
+    q = torch.randn(4, 9, 64, generator=g)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    mask = torch.cat([torch.ones(4, 450, dtype=torch.bool), tree], dim=1)
+    verify = kernel_attention(q, k_buf, v_buf, [4], [torch.cat([prefix, tree_slots])], [mask], 0.125)
+    decode = kernel_attention(q[:1], k_buf, v_buf, [1], [torch.cat([prefix, tree_slots[:1]])], None, 0.125)
+    assert torch.equal(verify[0], decode[0])
+    # node 3 (path root -> 1 -> 3) equals a causal extend of the same path
+    path = torch.cat([prefix, tree_slots[[0, 1, 3]]])
+    extend = kernel_attention(q[[0, 1, 3]], k_buf, v_buf, [3], [path], None, 0.125)
+    assert torch.equal(verify[3], extend[2])
+    other = torch.randn(2, 9, 64, generator=g)
+    batched = kernel_attention(torch.cat([other, q[:1]]), k_buf, v_buf, [2, 1],
+                               [torch.arange(100, 180), torch.cat([prefix, tree_slots[:1]])], None, 0.125)
+    assert torch.equal(batched[2], decode[0])
+
+
+def test_row_without_visible_columns_is_zero():
+    k_buf, v_buf, g = random_pool(20, 2, 16, 2)
+    q = torch.randn(2, 2, 16, generator=g)
+    mask = torch.tensor([[False, False, False], [True, False, True]])
+    out = kernel_attention(q, k_buf, v_buf, [2], [torch.tensor([3, 4, 5])], [mask], 0.25)
+    assert torch.equal(out[0], torch.zeros(2, 16))
+    assert torch.isfinite(out).all()
+
+
+def test_backend_uses_the_kernel_for_few_rows_and_agrees_with_sdpa():
+    """Decode, verify and draft-tree metadata go to the kernel (fp32 CPU), prefill-sized requests to
+    SDPA; both paths give the same attention."""
+    k_buf, v_buf, g = random_pool(400, 3, 64, 3)
+    with_kernel = TorchAttnBackend(torch.device("cpu"), torch.float32)
+    sdpa = TorchAttnBackend(torch.device("cpu"))
+    assert sdpa.kernel is None and with_kernel.kernel is not None
+    prefix_a, prefix_b = torch.arange(1, 120), torch.arange(200, 260)
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    cases = [
+        (build_metadata([1, 1], [prefix_a, prefix_b]), True),  # decode
+        (build_metadata([3, 3], [torch.cat([prefix_a, torch.tensor([300, 301, 302])]),
+                                 torch.cat([prefix_b, torch.tensor([303, 304, 305])])],
+                        [torch.cat([torch.ones(3, 119, dtype=torch.bool), tree], 1),
+                         torch.cat([torch.ones(3, 60, dtype=torch.bool), tree], 1)]), True),  # verify
+        (build_metadata([KERNEL_MAX_QUERY_ROWS + 1], [prefix_a]), False),  # a prefill chunk
+    ]
+    for meta, expect_kernel in cases:
+        q = torch.randn(int(meta.qo_indptr[-1]), 9, 64, generator=g)
+        with_kernel.init_forward_metadata(meta)
+        sdpa.init_forward_metadata(meta)
+        assert (with_kernel.kernel_args is not None) == expect_kernel
+        torch.testing.assert_close(with_kernel.forward(q, k_buf, v_buf, 0.125), sdpa.forward(q, k_buf, v_buf, 0.125))
+
+
+def test_verify_forward_reproduces_decode_bit_for_bit(tmp_path):
+    """A whole TARGET_VERIFY forward (tiny Llama, fp32, the CPU kernels) gives every tree node the
+    logits that decoding its path token by token gives: greedy speculation is exact by construction."""
+    from model_factory import make_tiny_model
+
+    from treespec.forward_batch import ForwardBatch, ForwardMode
+    from treespec.kernels import cpu_linear, cpu_norm
+    from treespec.model_runner import ModelRunner
+
+    if cpu_linear.load() is None or cpu_norm.load() is None:
+        pytest.skip("the panel and norm kernels are needed for a batch-invariant forward")
+    runner = ModelRunner(make_tiny_model("llama", tmp_path / "llama"), torch.float32, torch.device("cpu"),
+                         kv_pool_size=64)
+    prompt = torch.tensor([3, 17, 5, 9, 11, 2, 7])
+    prefix = torch.arange(1, 8)
+
+    def forward(mode, ids, positions, slots, kv, masks=None):
+        attn = build_metadata([len(ids)], [kv], masks)
+        return runner.forward(ForwardBatch(mode=mode, input_ids=torch.tensor(ids), positions=torch.tensor(positions),
+                                           out_cache_loc=torch.tensor(slots), attn=attn)).logits
+
+    forward(ForwardMode.EXTEND, prompt.tolist(), list(range(7)), prefix.tolist(), prefix)
+    # root 40 -> (n1 41 -> n3 43), (n2 42): nodes in slots 8..11, depths 0, 1, 1, 2
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    mask = torch.cat([torch.ones(4, 7, dtype=torch.bool), tree], dim=1)
+    verify = forward(ForwardMode.TARGET_VERIFY, [40, 41, 42, 43], [7, 8, 8, 9], [8, 9, 10, 11],
+                     torch.cat([prefix, torch.tensor([8, 9, 10, 11])]), [mask])
+    decode = {}
+    for node, token, pos, slot, path_slots in [(0, 40, 7, 20, [20]), (1, 41, 8, 21, [20, 21]),
+                                               (3, 43, 9, 22, [20, 21, 22]), (2, 42, 8, 23, [20, 23])]:
+        decode[node] = forward(ForwardMode.DECODE, [token], [pos], [slot],
+                               torch.cat([prefix, torch.tensor(path_slots)]))[0]
+    for node in range(4):
+        assert torch.equal(verify[node], decode[node]), node
