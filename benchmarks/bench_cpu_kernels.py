@@ -1,6 +1,6 @@
 """Our CPU kernels on and off, side by side in one process: decode tokens/s of plain and speculative
-(EAGLE-3, default settings) greedy decoding with the attention kernel (`kernels/cpu_attention.cpp`) and
-the RMSNorm kernel (`kernels/cpu_norm.cpp`) switched off one at a time.
+(EAGLE-3, default settings) greedy decoding with the attention kernels (`kernels/cpu_attention.cpp`:
+attention, and rope + KV store) and the RMSNorm kernel (`kernels/cpu_norm.cpp`) switched off one at a time.
 
     python benchmarks/bench_cpu_kernels.py                      # 6 held-out prompts x 96 new tokens
     python benchmarks/bench_cpu_kernels.py --num-prompts 10 --json cpu_kernels.json
@@ -20,11 +20,12 @@ from treespec.engine import Engine
 from treespec.models.layers import RMSNorm
 from treespec.train.data import holdout_prompts
 
-SETTINGS = {"all kernels": (True, True), "attention kernel off": (False, True), "norm kernel off": (True, False)}
+SETTINGS = {"all kernels": (True, True), "attention kernels off": (False, True), "norm kernel off": (True, False)}
 
 
 def set_kernels(engine: Engine, attention: bool, norm: bool, saved: dict) -> None:
-    """Switch the attention and norm kernels of the target and (if any) draft on or off."""
+    """Switch the attention (attention, rope + KV store) and norm kernels of the target and (if any)
+    draft on or off."""
     scheduler = engine.scheduler
     runners = [scheduler.runner] + ([scheduler.spec_worker.draft] if scheduler.spec_worker else [])
     for runner in runners:
@@ -35,6 +36,9 @@ def set_kernels(engine: Engine, attention: bool, norm: bool, saved: dict) -> Non
             if isinstance(module, RMSNorm):
                 saved.setdefault(id(module), module.kernel)
                 module.kernel = saved[id(module)] if norm else None
+            elif hasattr(module, "rope_store_kernel"):
+                saved.setdefault(id(module), module.rope_store_kernel)
+                module.rope_store_kernel = saved[id(module)] if attention else None
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """treespec.kernels: tree-speculation and KV-index kernels.
 
 Every kernel has one contract (see each module's docstring), a torch implementation (`*_torch`, the CPU
-path and the reference) and a Triton implementation (`*_triton`, CUDA; also runs on CPU tensors under
+path and the reference; build_tree and greedy verify walk host ints there, cheaper than torch ops on
+a step's few nodes) and a Triton implementation (`*_triton`, CUDA; also runs on CPU tensors under
 `TRITON_INTERPRET=1`, which must be set before `triton` is first imported). The plain names dispatch:
 Triton when the tensors are on CUDA, torch otherwise. `python -m treespec.kernels.compile_check` lowers
 every kernel to a CUDA cubin without a GPU.

@@ -149,7 +149,8 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_buf, cons
                         const torch::Tensor& qo_indptr, const torch::Tensor& kv_indptr,
                         const torch::Tensor& kv_indices, const torch::Tensor& custom_mask,
                         const torch::Tensor& mask_indptr, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == torch::kFloat32, "attention: q must be contiguous fp32 [T, H, D]");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) && q.scalar_type() == torch::kFloat32,
+              "attention: q must be fp32 [T, H, D] with contiguous rows");
   TORCH_CHECK(k_buf.dim() == 3 && k_buf.is_contiguous() && v_buf.is_contiguous() && k_buf.sizes() == v_buf.sizes() &&
                   k_buf.scalar_type() == torch::kFloat32 && v_buf.scalar_type() == torch::kFloat32,
               "attention: K and V buffers must be contiguous fp32 [slots, Hkv, D] of one shape");
@@ -171,7 +172,8 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_buf, cons
     reqs[b] = {qo[b], qo[b + 1] - qo[b], kv[b], kv[b + 1] - kv[b], masked ? mask_indptr.data_ptr<int64_t>()[b] * 8 : -1};
     for (int64_t r = qo[b]; r < qo[b + 1]; ++r) row_req[r] = b;
   }
-  auto out = torch::empty_like(q);
+  auto out = torch::empty({q.size(0), num_heads, head_dim}, q.options());
+  const int64_t q_row_stride = q.stride(0);
   const float* qp = q.data_ptr<float>();
   const Pool pool{k_buf.data_ptr<float>(), v_buf.data_ptr<float>(), num_kv_heads * head_dim, head_dim};
   const int64_t* slots = kv_indices.data_ptr<int64_t>();
@@ -183,13 +185,53 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_buf, cons
     for (int64_t t = begin; t < end; ++t) {
       const int64_t row = t / num_heads, head = t % num_heads;
       const Request& req = reqs[row_req[row]];
-      attend(req, row - req.q_start, head / group, qp + t * head_dim, pool, slots, mask,
+      attend(req, row - req.q_start, head / group, qp + row * q_row_stride + head * head_dim, pool, slots, mask,
              static_cast<float>(scale), op + t * head_dim, scratch);
     }
   });
   return out;
 }
 
+// Rotary embedding and KV store for one layer's fused projection qkv [T, (H + 2 Hkv) * D]: the q heads are
+// rotated in place, the rotated k heads and the v heads are written to k_buf / v_buf at slots loc [T].
+// cos / sin [T, D] are the rotate-half tables with the sign folded into sin (models/layers.py):
+// x * cos + roll(x, D / 2) * sin, element by element (no element depends on the rest of the batch).
+void rope_store(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& loc,
+                torch::Tensor& k_buf, torch::Tensor& v_buf, int64_t num_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == torch::kFloat32, "rope_store: qkv must be contiguous fp32 [T, width]");
+  TORCH_CHECK(k_buf.dim() == 3 && k_buf.is_contiguous() && v_buf.is_contiguous() && k_buf.sizes() == v_buf.sizes() &&
+                  k_buf.scalar_type() == torch::kFloat32 && v_buf.scalar_type() == torch::kFloat32,
+              "rope_store: K and V buffers must be contiguous fp32 [slots, Hkv, D] of one shape");
+  const int64_t tokens = qkv.size(0), num_kv_heads = k_buf.size(1), head_dim = k_buf.size(2), half = head_dim / 2;
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim && head_dim % 2 == 0, "rope_store: qkv width does not match the heads");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32 &&
+                  sin.scalar_type() == torch::kFloat32 && cos.numel() == tokens * head_dim && sin.numel() == tokens * head_dim,
+              "rope_store: cos and sin must be contiguous fp32 [T, D]");
+  TORCH_CHECK(loc.scalar_type() == torch::kInt64 && loc.is_contiguous() && loc.numel() == tokens, "rope_store: loc must be int64 [T]");
+  float* x = qkv.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const int64_t* slots = loc.data_ptr<int64_t>();
+  float *kp = k_buf.data_ptr<float>(), *vp = v_buf.data_ptr<float>();
+  const int64_t width = qkv.size(1), kv_stride = num_kv_heads * head_dim, slot_count = k_buf.size(0);
+  std::vector<float> rotated(head_dim);
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < slot_count, "rope_store: slot out of range");
+    float* row = x + t * width;
+    const float *c = cp + t * head_dim, *s = sp + t * head_dim;
+    for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+      float* head = row + h * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) {
+        const float prod_cos = head[d] * c[d], prod_sin = head[(d + half) % head_dim] * s[d];
+        rotated[d] = prod_cos + prod_sin;
+      }
+      float* dst = h < num_heads ? head : kp + slots[t] * kv_stride + (h - num_heads) * head_dim;
+      std::copy(rotated.begin(), rotated.end(), dst);
+    }
+    std::copy(row + (num_heads + num_kv_heads) * head_dim, row + width, vp + slots[t] * kv_stride);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rope_store", &rope_store, "rotate q in place, write rotated k and v to the KV pool (fp32)");
   m.def("attention", &attention, "paged attention for few query rows per request (fp32)");
 }

@@ -29,6 +29,8 @@ def test_switching_kernels_keeps_greedy_outputs() -> None:
     for attention, norm in [(True, True), (False, True), (True, False), (True, True)]:
         bench.set_kernels(eng, attention, norm, saved)
         assert all((r.attn_backend.kernel is not None) == attention for r in runners)
+        assert all((m.self_attn.rope_store_kernel is not None) == attention for r in runners
+                   for m in r.model.modules() if hasattr(m, "self_attn"))
         assert all((m.kernel is not None) == norm for m in norms)
         eng.flush_cache()
         outputs.append(eng.generate(input_ids=ids, sampling_params=params)["output_ids"])

@@ -133,3 +133,25 @@ def test_verify_forward_reproduces_decode_bit_for_bit(tmp_path):
                                torch.cat([prefix, torch.tensor(path_slots)]))[0]
     for node in range(4):
         assert torch.equal(verify[node], decode[node]), node
+
+
+def test_rope_store_matches_apply_rope_and_set_kv():
+    from treespec.models.layers import RotaryEmbedding, apply_rope
+
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, head_dim, tokens = 4, 2, 16, 3
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g)
+    cos, sin = RotaryEmbedding(head_dim, 64, 10000.0, None)(torch.tensor([5, 9, 40]), torch.float32)
+    loc = torch.tensor([7, 2, 11])
+    k_buf, v_buf = torch.zeros(12, kv_heads, head_dim), torch.zeros(12, kv_heads, head_dim)
+    qk = apply_rope(qkv[:, : (heads + kv_heads) * head_dim].view(tokens, -1, head_dim), cos, sin)
+    want_v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim).clone()
+    kernel.rope_store(qkv, cos, sin, loc, k_buf, v_buf, heads)
+    torch.testing.assert_close(qkv[:, : heads * head_dim].view(tokens, heads, head_dim), qk[:, :heads])
+    torch.testing.assert_close(k_buf[loc], qk[:, heads:])
+    assert torch.equal(v_buf[loc], want_v)
+    untouched = torch.ones(12, dtype=torch.bool)
+    untouched[loc] = False
+    assert not k_buf[untouched].any() and not v_buf[untouched].any()
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        kernel.rope_store(qkv, cos, sin, torch.tensor([7, 2, 12]), k_buf, v_buf, heads)

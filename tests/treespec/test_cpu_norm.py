@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from treespec.kernels import cpu_extension, cpu_norm
 from treespec.model_runner import ModelRunner
-from treespec.models.layers import RMSNorm, use_cpu_norm_kernel
+from treespec.models.layers import RMSNorm, use_cpu_kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model_factory import make_tiny_model  # noqa: E402
@@ -74,7 +74,7 @@ def test_rms_norm_module_uses_the_kernel_for_inference_only() -> None:
         norm.weight.uniform_(0.5, 1.5)
     plain = RMSNorm(64, 1e-5)
     plain.load_state_dict(norm.state_dict())
-    assert use_cpu_norm_kernel(norm) == 1 and norm.kernel is not None
+    assert use_cpu_kernels(norm) == 1 and norm.kernel is not None
     x, residual = torch.randn(5, 3, 64), torch.randn(5, 64)
     with torch.inference_mode():
         torch.testing.assert_close(norm(x), plain(x))

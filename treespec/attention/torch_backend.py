@@ -102,7 +102,7 @@ class TorchAttnBackend:
         Grouped-query attention without repeating K/V: the G query heads that share a KV head are
         folded into the query-length axis ([Hkv, G * q_len, D]) and the mask is tiled to match."""
         if self.kernel_args is not None:
-            return self.kernel.attention(q.contiguous(), k_buffer, v_buffer, *self.kernel_args, scale)
+            return self.kernel.attention(q, k_buffer, v_buffer, *self.kernel_args, scale)
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k_buffer.shape[1]
         group = num_heads // num_kv_heads

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treespec.kernels import cpu_norm
+from treespec.kernels import cpu_attention, cpu_norm
 
 
 class RMSNorm(nn.Module):
@@ -17,7 +17,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.kernel: ModuleType | None = None  # kernels/cpu_norm.cpp, set by use_cpu_norm_kernel
+        self.kernel: ModuleType | None = None  # kernels/cpu_norm.cpp, set by use_cpu_kernels
 
     def _kernel_applies(self, x: torch.Tensor) -> bool:
         return self.kernel is not None and x.dtype == torch.float32 and not torch.is_grad_enabled()
@@ -39,16 +39,21 @@ class RMSNorm(nn.Module):
         return h, self(h)
 
 
-def use_cpu_norm_kernel(model: nn.Module) -> int:
-    """Route the fp32 inference forward of every RMSNorm under `model` through kernels/cpu_norm.cpp
-    (where it builds). Returns how many norms use it."""
-    kernel = cpu_norm.load()
-    if kernel is None:
-        return 0
-    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
-    for norm in norms:
-        norm.kernel = kernel
-    return len(norms)
+def use_cpu_kernels(model: nn.Module) -> int:
+    """Route the fp32 inference forward under `model` through the C++ CPU kernels that build here:
+    every RMSNorm through kernels/cpu_norm.cpp, every attention's rotary embedding and KV store (modules
+    with a `rope_store_kernel` attribute) through kernels/cpu_attention.cpp. Returns how many modules
+    use one."""
+    norm_kernel, attention_kernel = cpu_norm.load(), cpu_attention.load()
+    count = 0
+    for module in model.modules():
+        if isinstance(module, RMSNorm) and norm_kernel is not None:
+            module.kernel = norm_kernel
+            count += 1
+        elif hasattr(module, "rope_store_kernel") and attention_kernel is not None:
+            module.rope_store_kernel = attention_kernel
+            count += 1
+    return count
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from torch import nn
 
 from treespec.forward_batch import ForwardBatch, ModelOutput
 from treespec.models.config import ModelConfig
-from treespec.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope, use_cpu_norm_kernel
+from treespec.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope, use_cpu_kernels
 from treespec.models.packed_linear import PackedWeight, head_logits, pack_linears, pack_weight, packing_layout
 
 
@@ -26,9 +28,19 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        # kernels/cpu_attention.cpp's rope_store (set by use_cpu_kernels): rope and the KV write in one
+        # call instead of ~10 small torch ops per layer
+        self.rope_store_kernel: ModuleType | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, ctx) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        k_buf, v_buf = ctx.kv_pool.get_kv(self.layer_id)
+        if (self.rope_store_kernel is not None and not self.qk_norm and qkv.dtype == k_buf.dtype == torch.float32
+                and not torch.is_grad_enabled()):
+            self.rope_store_kernel.rope_store(qkv, cos, sin, batch.out_cache_loc.contiguous(), k_buf, v_buf,
+                                              self.num_heads)
+            q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
+            return self.o_proj(ctx.attn_backend.forward(q, k_buf, v_buf, self.scale).reshape(-1, self.q_size))
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
@@ -40,7 +52,6 @@ class Attention(nn.Module):
         qk = apply_rope(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         ctx.kv_pool.set_kv(self.layer_id, batch.out_cache_loc, k, v)
-        k_buf, v_buf = ctx.kv_pool.get_kv(self.layer_id)
         out = ctx.attn_backend.forward(q, k_buf, v_buf, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -73,12 +84,12 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_for_inference(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Packed weights for every matmul (see models/packed_linear.py), the dense lm_head kept for
-        drafts to share, and the CPU RMSNorm kernel. Returns whether packing applied."""
+        drafts to share, and the CPU norm, rope and KV-store kernels. Returns whether packing applied."""
         if packing_layout(device, dtype) is None:
             return False
         pack_linears(self.layers, device, dtype)
         self.packed_lm_head = pack_weight(self.lm_head_weight)
-        use_cpu_norm_kernel(self)
+        use_cpu_kernels(self)
         return True
 
     @property

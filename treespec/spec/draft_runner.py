@@ -10,7 +10,7 @@ from treespec.forward_batch import ForwardBatch, ForwardMode, ModelOutput
 from treespec.mem.kv_pool import KVPool
 from treespec.model_runner import ModelRunner, create_attn_backend
 from treespec.models.draft_loader import DraftModel, load_draft_model, load_token_map
-from treespec.models.layers import use_cpu_norm_kernel
+from treespec.models.layers import use_cpu_kernels
 from treespec.models.packed_linear import pack_linears, pack_weight
 
 
@@ -42,7 +42,7 @@ class DraftRunner:
         if target.packed_linear and pack_linears(self.model, self.device, self.dtype):
             shared = self.model.uses_target_head and self.dtype == target.dtype
             self.model.packed_head = target.model.packed_lm_head if shared else pack_weight(self.model.head_weight)
-            use_cpu_norm_kernel(self.model)
+            use_cpu_kernels(self.model)
         self.config = dcfg
         self.kv_pool = KVPool(target.kv_pool.size, dcfg.num_layers, dcfg.num_kv_heads, dcfg.head_dim,
                               self.dtype, self.device)
