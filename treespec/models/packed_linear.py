@@ -9,6 +9,9 @@ layouts, chosen once per (device, dtype):
   oneDNN cannot pack bf16: 16-column panels streamed at ~25-31 GB/s on the 2-core dev machine, and
   batch-invariant (a verify row equals a decode row bit for bit). Per-step matmul time of the
   default model there in fp32: 22 ms vs oneDNN's 30 ms at 1 row, 32 vs 43 ms at 8 rows.
+- "panel_quant": the same panels over 32-block quant codes (uint8 codes, fp16 scales and mins;
+  models/block_quant.py) where the fp32 weight came from a GGUF Q4_0/Q4_1/Q8_0 tensor and its blocks
+  reproduce it exactly: bit-identical results, ~1.06 bytes streamed per weight instead of 4.
 - "onednn": oneDNN's blocked layout (`torch.ops.mkldnn`), for bf16 where oneDNN packs it (AVX512 or
   AVX-NE-CONVERT: native bf16 dot products, which matter for prefill) and for fp32 where our kernel
   cannot build.
@@ -27,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treespec.kernels import cpu_linear
+from treespec.models.block_quant import BlockQuant
 
 # oneDNN picks its blocked layout for this many rows; 8 suits decode (1 row) and verify (4-16 rows)
 # alike on the machine we measured, and prefill chunks of hundreds of rows stay as fast as MKL's.
@@ -37,7 +41,8 @@ ONEDNN_BATCH_HINT = 8
 class PackedWeight:
     data: torch.Tensor
     out_features: int
-    layout: str  # "panel" or "onednn"
+    layout: str  # "panel", "panel_quant" or "onednn"
+    scale_min: torch.Tensor | None = None  # "panel_quant": the blocks' packed fp16 scales and mins
 
 
 def packing_layout(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -76,9 +81,14 @@ def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), ONEDNN_BATCH_HINT)
 
 
-def pack_weight(weight: torch.Tensor, layout: str | None = None) -> PackedWeight:
-    """[out, in] dense weight -> its packed copy for `packed_linear` (layout: this device's by default)."""
+def pack_weight(weight: torch.Tensor, layout: str | None = None, block_quant: BlockQuant | None = None) -> PackedWeight:
+    """[out, in] dense weight -> its packed copy for `packed_linear` (layout: this device's by default).
+    With the panel layout, a `block_quant` that reproduces the fp32 weight exactly is packed instead
+    (models/block_quant.py): same results, ~4x fewer bytes streamed."""
     layout = layout or packing_layout(weight.device, weight.dtype)
+    if layout == "panel" and block_quant is not None and block_quant.reproduces(weight):
+        codes, scale_min = cpu_linear.load().pack_quant(block_quant.codes, block_quant.scales, block_quant.mins)
+        return PackedWeight(codes, weight.shape[0], "panel_quant", scale_min)
     if layout == "panel":
         data = cpu_linear.load().pack(weight.detach().contiguous())
     elif layout == "onednn":
@@ -94,6 +104,9 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
         return x.new_empty(*x.shape[:-1], packed.out_features)
     if packed.layout == "panel":
         out = cpu_linear.load().linear(rows.contiguous(), packed.data, bias, packed.out_features)
+    elif packed.layout == "panel_quant":
+        out = cpu_linear.load().linear_quant(rows.contiguous(), packed.data, packed.scale_min, bias,
+                                             packed.out_features)
     else:
         out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed.data, bias, "none", [], "")
     return out.view(*x.shape[:-1], packed.out_features)
@@ -109,24 +122,28 @@ def head_logits(rows: torch.Tensor, weight: torch.Tensor, packed: PackedWeight |
 class PackedLinear(nn.Module):
     """Drop-in for an inference-only nn.Linear; the dense weight is dropped to save memory."""
 
-    def __init__(self, linear: nn.Linear, layout: str | None = None) -> None:
+    def __init__(self, linear: nn.Linear, layout: str | None = None, block_quant: BlockQuant | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = pack_weight(linear.weight, layout)
+        self.packed = pack_weight(linear.weight, layout, block_quant)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self.packed, self.bias)
 
 
-def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype,
+                 block_quants: dict[str, BlockQuant] | None = None) -> int:
     """Replace every nn.Linear under `model` by a PackedLinear (when a packed layout serves this
-    device and dtype). Returns how many were replaced."""
+    device and dtype), from its block quant in `block_quants` (keyed by module name under `model`)
+    where that reproduces its weight. Returns how many were replaced."""
     layout = packing_layout(device, dtype)
     if layout is None:
         return 0
-    targets = [(parent, name, child) for parent in model.modules()
+    block_quants = block_quants or {}
+    targets = [(prefix, parent, name, child) for prefix, parent in model.named_modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
-    for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child, layout))
+    for prefix, parent, name, child in targets:
+        full_name = f"{prefix}.{name}" if prefix else name
+        setattr(parent, name, PackedLinear(child, layout, block_quants.get(full_name)))
     return len(targets)
