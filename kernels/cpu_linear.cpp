@@ -4,10 +4,11 @@
 // streams contiguously from memory and each k step is one or two vector loads. A batch-1 decode reads
 // every weight once per step, so how fast panels stream is the step time; the input rows (a few KB)
 // stay in L1. bf16 weights are widened to fp32 in registers (a shift), so they stream at half the
-// bytes; inputs are taken in fp32, products accumulate in fp32, outputs round once to the weight's
-// dtype (what F.linear does). Every output element is one fused multiply-add chain over k in order,
-// whatever the number of rows or how they are tiled: a row's result does not depend on what else is
-// in the batch, so a tree verify computes bit for bit what a decode step would.
+// bytes; inputs are taken in fp32, products accumulate in fp32, outputs round once to the input's
+// dtype (what F.linear does; fp32 inputs against bf16 panels give fp32 outputs). Every output element
+// is one fused multiply-add chain over k in order, whatever the number of rows or how they are tiled:
+// a row's result does not depend on what else is in the batch, so a tree verify computes bit for bit
+// what a decode step would.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -42,8 +43,9 @@ static inline void load16(const at::BFloat16* p, __m256& lo, __m256& hi) {
 }
 
 // ROWS input rows against one panel; ROWS <= 6 keeps 2*ROWS accumulators + 2 weight vectors in 16 ymm.
-template <int ROWS, typename T>
-static inline void panel_kernel(const float* x, int64_t k_dim, const T* panel, T* y, int64_t ldy, const T* bias,
+// W: the panel's weight type; O: the output's (and bias's) type.
+template <int ROWS, typename W, typename O>
+static inline void panel_kernel(const float* x, int64_t k_dim, const W* panel, O* y, int64_t ldy, const O* bias,
                                 int64_t cols) {
   __m256 lo[ROWS], hi[ROWS];
 #pragma GCC unroll 8
@@ -66,18 +68,18 @@ static inline void panel_kernel(const float* x, int64_t k_dim, const T* panel, T
   for (int m = 0; m < ROWS; ++m) {
     _mm256_store_ps(out, lo[m]);
     _mm256_store_ps(out + 8, hi[m]);
-    for (int64_t c = 0; c < cols; ++c)  // T(float) rounds to nearest even for bf16
-      y[m * ldy + c] = bias ? T(out[c] + static_cast<float>(bias[c])) : T(out[c]);
+    for (int64_t c = 0; c < cols; ++c)  // O(float) rounds to nearest even for bf16
+      y[m * ldy + c] = bias ? O(out[c] + static_cast<float>(bias[c])) : O(out[c]);
   }
 }
 
-template <typename T>
-static void panel_rows(const float* x, int64_t rows, int64_t k_dim, const T* panel, T* y, int64_t ldy,
-                       const T* bias, int64_t cols) {
+template <typename W, typename O>
+static void panel_rows(const float* x, int64_t rows, int64_t k_dim, const W* panel, O* y, int64_t ldy,
+                       const O* bias, int64_t cols) {
   int64_t m = 0;
   for (; m + 6 <= rows; m += 6) panel_kernel<6>(x + m * k_dim, k_dim, panel, y + m * ldy, ldy, bias, cols);
   const float* xr = x + m * k_dim;
-  T* yr = y + m * ldy;
+  O* yr = y + m * ldy;
   switch (rows - m) {
     case 5: panel_kernel<5>(xr, k_dim, panel, yr, ldy, bias, cols); break;
     case 4: panel_kernel<4>(xr, k_dim, panel, yr, ldy, bias, cols); break;
@@ -88,8 +90,8 @@ static void panel_rows(const float* x, int64_t rows, int64_t k_dim, const T* pan
   }
 }
 
-template <typename T>
-static void run(const float* x, int64_t rows, int64_t k_dim, const T* wp, int64_t panels, const T* bp, T* yp,
+template <typename W, typename O>
+static void run(const float* x, int64_t rows, int64_t k_dim, const W* wp, int64_t panels, const O* bp, O* yp,
                 int64_t n) {
   for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock) {
     const int64_t block = std::min(kRowBlock, rows - m0);
@@ -101,9 +103,13 @@ static void run(const float* x, int64_t rows, int64_t k_dim, const T* wp, int64_
   }
 }
 
+// x fp32 or of the panels' dtype. bf16 panels with an fp32 x compute in fp32 throughout and return fp32:
+// for fp32 weights whose values are all bf16 (a bf16 checkpoint run in fp32), the same results as fp32
+// panels, at half the bytes.
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == packed.scalar_type() && supported(x),
-              "linear: expected a contiguous 2-D fp32 or bf16 input of the packed weight's dtype");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && supported(x) && supported(packed) &&
+              (x.scalar_type() == packed.scalar_type() || x.scalar_type() == torch::kFloat32),
+              "linear: expected a contiguous 2-D fp32 input, or bf16 for bf16 panels");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.size(1) == x.size(1) &&
               packed.size(0) * kPanel >= n, "linear: packed weight does not match the input or n");
   if (bias.has_value())
@@ -114,8 +120,11 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
   const auto x32 = x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32);
   const float* xp = x32.data_ptr<float>();
   pybind11::gil_scoped_release no_gil;
-  if (x.scalar_type() == torch::kFloat32) {
+  if (packed.scalar_type() == torch::kFloat32) {
     run(xp, rows, k_dim, packed.data_ptr<float>(), panels, bias ? bias->data_ptr<float>() : nullptr,
+        out.data_ptr<float>(), n);
+  } else if (x.scalar_type() == torch::kFloat32) {
+    run(xp, rows, k_dim, packed.data_ptr<at::BFloat16>(), panels, bias ? bias->data_ptr<float>() : nullptr,
         out.data_ptr<float>(), n);
   } else {
     run(xp, rows, k_dim, packed.data_ptr<at::BFloat16>(), panels,

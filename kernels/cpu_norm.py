@@ -2,7 +2,9 @@
 
 Contract: `rms_norm(x, weight, eps)` = x * rsqrt(mean(x^2, -1) + eps) * weight and
 `add_rms_norm(x, residual, weight, eps)` = (h, rms_norm(h)) with h = x + residual, for contiguous
-fp32 x [M, D]; inference only (no autograd). Each row is reduced in one fixed order, so a row's
+fp32 x [M, D]; `silu_mul(gate_up)` = silu(gate_up[:, :I]) * gate_up[:, I:] for contiguous fp32
+[M, 2I] (I a multiple of 8; exp by a ~1-ulp polynomial, so within a few ulp of torch's);
+inference only (no autograd). Each row is reduced in one fixed order, so a row's
 result does not depend on the rest of the batch. It agrees with torch's rms_norm to fp32 rounding
 (the sum of squares is accumulated in a different order).
 
@@ -29,12 +31,19 @@ def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
+def reference_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
 def _probe(module: ModuleType) -> None:
     x, residual, weight = torch.randn(3, 40), torch.randn(3, 40), torch.rand(40)
     torch.testing.assert_close(module.rms_norm(x, weight, 1e-5), reference_rms_norm(x, weight, 1e-5))
     h, y = module.add_rms_norm(x, residual, weight, 1e-5)
     torch.testing.assert_close(h, x + residual)
     torch.testing.assert_close(y, reference_rms_norm(x + residual, weight, 1e-5))
+    gate_up = torch.randn(3, 32) * 4
+    torch.testing.assert_close(module.silu_mul(gate_up), reference_silu_mul(gate_up))
 
 
 @functools.cache

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from treespec.kernels import cpu_extension, cpu_norm
 from treespec.model_runner import ModelRunner
-from treespec.models.layers import RMSNorm, use_cpu_kernels
+from treespec.models.layers import GatedMLP, RMSNorm, use_cpu_kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model_factory import make_tiny_model  # noqa: E402
@@ -95,6 +95,46 @@ def test_runners_route_their_norms_through_the_kernel(tmp_path) -> None:
     assert norms and all(m.kernel is not None for m in norms)
     unpacked = ModelRunner(path, torch.float32, CPU, kv_pool_size=64, packed_linear=False)
     assert all(m.kernel is None for m in unpacked.model.modules() if isinstance(m, RMSNorm))
+
+
+@needs_kernel
+def test_silu_mul_matches_torch_and_rows_do_not_depend_on_the_batch() -> None:
+    gen = torch.Generator().manual_seed(0)
+    # gates from tiny to saturated (exp over- and underflow clamps), ups of any sign
+    gate_up = torch.cat([torch.randn(40, 64, generator=gen) * scale for scale in (0.01, 1, 8, 60, 300)])
+    want = cpu_norm.reference_silu_mul(gate_up)
+    got = cpu_norm.load().silu_mul(gate_up)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-30)
+    for start, rows in [(0, 1), (17, 2), (50, 7)]:
+        assert torch.equal(cpu_norm.load().silu_mul(gate_up[start:start + rows].contiguous()),
+                           got[start:start + rows])
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        cpu_norm.load().silu_mul(torch.randn(2, 20))
+
+
+@needs_kernel
+def test_mlp_uses_silu_mul_for_fp32_inference_only(tmp_path) -> None:
+    path = make_tiny_model("llama", tmp_path / "llama")
+    runner = ModelRunner(path, torch.float32, CPU, kv_pool_size=64)
+    mlps = [m for m in runner.model.modules() if isinstance(m, GatedMLP)]
+    assert mlps and all(m.kernel is not None for m in mlps)
+    mlp = mlps[0]
+    x = torch.randn(3, mlp.gate_up_proj.in_features)
+    calls = []
+    real = mlp.kernel
+
+    class Spy:
+        def silu_mul(self, t):
+            calls.append(t.shape)
+            return real.silu_mul(t)
+
+    mlp.kernel = Spy()
+    with torch.inference_mode():
+        fused = mlp(x)
+    assert calls == [(3, 2 * mlp.intermediate)]
+    mlp.kernel = None
+    with torch.inference_mode():
+        torch.testing.assert_close(fused, mlp(x), rtol=1e-5, atol=1e-6)
 
 
 def test_a_stale_build_lock_is_removed(tmp_path, monkeypatch) -> None:

@@ -97,11 +97,30 @@ def test_panel_kernel_rows_do_not_depend_on_the_batch(out_features, in_features,
 
 
 @needs_panel
+def test_bf16_valued_fp32_weights_stream_as_bf16_with_fp32_results() -> None:
+    """fp32 weights that hold bf16 values (a bf16 checkpoint, like the shipped draft heads, run in
+    fp32) pack as bf16 panels: half the bytes, and the same fp32 results bit for bit."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(200, 96, generator=gen).bfloat16().float()
+    bias = torch.randn(200, generator=gen)
+    halved, full = pack_weight(weight, "panel"), cpu_linear.load().pack(weight)
+    assert halved.data.dtype == torch.bfloat16
+    for rows in (1, 2, 7, 100):
+        x = torch.randn(rows, 96, generator=gen)
+        got = packed_linear(x, halved, bias)
+        assert got.dtype == torch.float32
+        assert torch.equal(got, cpu_linear.load().linear(x, full, bias, 200))
+    # one value off the bf16 grid keeps fp32 panels
+    weight[3, 4] += 2.0**-20
+    assert pack_weight(weight, "panel").data.dtype == torch.float32
+
+
+@needs_panel
 def test_panel_kernel_rejects_mismatched_inputs() -> None:
     packed = pack_weight(torch.randn(8, 16), "panel")
     with pytest.raises(RuntimeError, match="does not match"):
         packed_linear(torch.randn(2, 15), packed, None)
-    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+    with pytest.raises(RuntimeError, match="fp32 input"):
         packed_linear(torch.randn(2, 16, dtype=torch.float64), packed, None)
     with pytest.raises(ValueError, match="no packed layout"):
         pack_weight(torch.randn(8, 16, dtype=torch.float16), None)

@@ -24,6 +24,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernel_applies(x):
+            if x.dim() == 2 and x.is_contiguous():  # the usual [tokens, hidden]: skip the reshapes
+                return self.kernel.rms_norm(x, self.weight, self.eps)
             rows = x.reshape(-1, x.shape[-1]).contiguous()
             return self.kernel.rms_norm(rows, self.weight, self.eps).view(x.shape)
         if x.dtype == torch.float32:
@@ -41,13 +43,13 @@ class RMSNorm(nn.Module):
 
 def use_cpu_kernels(model: nn.Module) -> int:
     """Route the fp32 inference forward under `model` through the C++ CPU kernels that build here:
-    every RMSNorm through kernels/cpu_norm.cpp, every attention's rotary embedding and KV store (modules
+    every RMSNorm and SiLU gate through kernels/cpu_norm.cpp, every attention's rotary embedding and KV store (modules
     with a `rope_store_kernel` attribute) through kernels/cpu_attention.cpp. Returns how many modules
     use one."""
     norm_kernel, attention_kernel = cpu_norm.load(), cpu_attention.load()
     count = 0
     for module in model.modules():
-        if isinstance(module, RMSNorm) and norm_kernel is not None:
+        if isinstance(module, (RMSNorm, GatedMLP)) and norm_kernel is not None:
             module.kernel = norm_kernel
             count += 1
         elif hasattr(module, "rope_store_kernel") and attention_kernel is not None:
@@ -113,7 +115,12 @@ class GatedMLP(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.kernel: ModuleType | None = None  # kernels/cpu_norm.cpp's silu_mul, set by use_cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj.forward(x)
+        if (self.kernel is not None and gate_up.dim() == 2 and gate_up.dtype == torch.float32
+                and self.intermediate % 8 == 0 and not torch.is_grad_enabled()):
+            return self.down_proj.forward(self.kernel.silu_mul(gate_up.contiguous()))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        return self.down_proj.forward(F.silu(gate) * up)

@@ -5,8 +5,8 @@ step time. `F.linear` goes to MKL, which streams fp32 weights at about half the 
 for the 2-16 rows of a speculative verify, packs the whole weight again on every call. Two packed
 layouts, chosen once per (device, dtype):
 
-- "panel": our kernel (`treespec.kernels.cpu_linear`) on AVX2 CPUs, for fp32, and for bf16 where
-  oneDNN cannot pack bf16: 16-column panels streamed at ~25-31 GB/s on the 2-core dev machine, and
+- "panel": our kernel (`treespec.kernels.cpu_linear`) on AVX2 CPUs, for fp32 (as bf16 panels where
+  every fp32 value is a bf16 one: exact, half the bytes), and for bf16 where oneDNN cannot pack bf16: 16-column panels streamed at ~25-31 GB/s on the 2-core dev machine, and
   batch-invariant (a verify row equals a decode row bit for bit). Per-step matmul time of the
   default model there in fp32: 22 ms vs oneDNN's 30 ms at 1 row, 32 vs 43 ms at 8 rows.
 - "panel_quant": the same panels over 32-block quant codes (uint8 codes, fp16 scales and mins;
@@ -90,7 +90,12 @@ def pack_weight(weight: torch.Tensor, layout: str | None = None, block_quant: Bl
         codes, scale_min = cpu_linear.load().pack_quant(block_quant.codes, block_quant.scales, block_quant.mins)
         return PackedWeight(codes, weight.shape[0], "panel_quant", scale_min)
     if layout == "panel":
-        data = cpu_linear.load().pack(weight.detach().contiguous())
+        dense = weight.detach().contiguous()
+        if dense.dtype == torch.float32 and torch.equal(dense, dense.bfloat16().float()):
+            # bf16 values held in fp32 (a bf16 checkpoint run in fp32, like the shipped draft heads):
+            # bf16 panels widen exactly in registers, so the same results at half the bytes
+            dense = dense.bfloat16()
+        data = cpu_linear.load().pack(dense)
     elif layout == "onednn":
         data = _onednn_pack(weight)
     else:
@@ -99,6 +104,11 @@ def pack_weight(weight: torch.Tensor, layout: str | None = None, block_quant: Bl
 
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.dim() == 2 and x.shape[0] > 0 and x.is_contiguous():  # the usual [tokens, features]: no reshapes
+        if packed.layout == "panel_quant":
+            return cpu_linear.load().linear_quant(x, packed.data, packed.scale_min, bias, packed.out_features)
+        if packed.layout == "panel":
+            return cpu_linear.load().linear(x, packed.data, bias, packed.out_features)
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], packed.out_features)
