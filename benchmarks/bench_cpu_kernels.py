@@ -26,7 +26,7 @@ from treespec.train.data import holdout_prompts
 
 # setting: (attention kernels, norm kernel, block-quantized matmuls)
 SETTINGS = {"all kernels": (True, True, True), "attention kernels off": (False, True, True),
-            "norm kernel off": (True, False, True), "fp32 weights": (True, True, False)}
+            "RMSNorm kernel off": (True, False, True), "fp32 weights": (True, True, False)}
 
 
 def fp32_panels(engine: Engine) -> dict[str, PackedWeight]:

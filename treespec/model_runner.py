@@ -51,7 +51,7 @@ class ModelRunner:
         self.model = model.to(device=device, dtype=dtype).eval()
         self.model.rotary.to(device)
         # GGUF blocks kept beside the fp32 weights (models/block_quant.py): the same results, faster
-        block_quants = load_block_quant(model_dir) if packed_linear and block_quant else {}
+        block_quants = load_block_quant(model_dir) if packed_linear and block_quant and device.type == "cpu" else {}
         self.packed_linear = packed_linear and self.model.pack_for_inference(device, dtype, block_quants)
         self.kv_pool = KVPool(
             kv_pool_size, self.config.num_layers, self.config.num_kv_heads, self.config.head_dim, dtype, device
