@@ -12,6 +12,8 @@
 
 #include <cmath>
 
+#include "avx2_math.h"
+
 constexpr int64_t kGrainRows = 64;  // rows per thread task: small batches stay on one thread
 
 static float sum_squares(const float* x, int64_t d) {
@@ -93,25 +95,6 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
 // --- SiLU gate: out = silu(gate) * up for a fused [M, 2I] gate_up projection -----------------------
 // torch spends ~20 us a decode row on split + silu + mul (three dispatches); this is one pass.
 
-// e^x for fp32 lanes: x = n ln2 + r with |r| <= ln2/2, e^r by the Cephes polynomial (~1 ulp), times 2^n
-// built in the exponent bits. x is clamped to [-87.3, 88.3] so 2^n stays a normal number.
-static inline __m256 exp_ps(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 split in two for exactness
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
-  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
-}
-
 torch::Tensor silu_mul(torch::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.scalar_type() == torch::kFloat32 &&
               gate_up.size(1) % 16 == 0, "silu_mul: expected contiguous fp32 [M, 2I] with I a multiple of 8");
@@ -126,7 +109,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
       const float* g = gp + m * 2 * inter;
       for (int64_t i = 0; i < inter; i += 8) {
         const __m256 x = _mm256_loadu_ps(g + i);
-        const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(zero, x))));
+        const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, x))));
         _mm256_storeu_ps(op + m * inter + i, _mm256_mul_ps(silu, _mm256_loadu_ps(g + inter + i)));
       }
     }

@@ -93,6 +93,7 @@ def test_runners_route_their_norms_through_the_kernel(tmp_path) -> None:
     fp32 = ModelRunner(path, torch.float32, CPU, kv_pool_size=64)
     norms = [m for m in fp32.model.modules() if isinstance(m, RMSNorm)]
     assert norms and all(m.kernel is not None for m in norms)
+    assert all(m.kernel is not None for m in fp32.model.modules() if isinstance(m, GatedMLP))
     unpacked = ModelRunner(path, torch.float32, CPU, kv_pool_size=64, packed_linear=False)
     assert all(m.kernel is None for m in unpacked.model.modules() if isinstance(m, RMSNorm))
 
@@ -113,13 +114,10 @@ def test_silu_mul_matches_torch_and_rows_do_not_depend_on_the_batch() -> None:
 
 
 @needs_kernel
-def test_mlp_uses_silu_mul_for_fp32_inference_only(tmp_path) -> None:
-    path = make_tiny_model("llama", tmp_path / "llama")
-    runner = ModelRunner(path, torch.float32, CPU, kv_pool_size=64)
-    mlps = [m for m in runner.model.modules() if isinstance(m, GatedMLP)]
-    assert mlps and all(m.kernel is not None for m in mlps)
-    mlp = mlps[0]
-    x = torch.randn(3, mlp.gate_up_proj.in_features)
+def test_mlp_uses_silu_mul_for_fp32_inference_only() -> None:
+    mlp = GatedMLP(16, 24)
+    assert use_cpu_kernels(mlp) == 1 and mlp.kernel is not None
+    x = torch.randn(3, 16)
     calls = []
     real = mlp.kernel
 
@@ -131,7 +129,9 @@ def test_mlp_uses_silu_mul_for_fp32_inference_only(tmp_path) -> None:
     mlp.kernel = Spy()
     with torch.inference_mode():
         fused = mlp(x)
-    assert calls == [(3, 2 * mlp.intermediate)]
+    assert calls == [(3, 48)]
+    mlp(x).sum().backward()  # training keeps torch's ops (the kernel has no autograd)
+    assert calls == [(3, 48)] and mlp.gate_up_proj.weight.grad is not None
     mlp.kernel = None
     with torch.inference_mode():
         torch.testing.assert_close(fused, mlp(x), rtol=1e-5, atol=1e-6)
