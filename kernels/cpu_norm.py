@@ -3,7 +3,7 @@
 Contract: `rms_norm(x, weight, eps)` = x * rsqrt(mean(x^2, -1) + eps) * weight and
 `add_rms_norm(x, residual, weight, eps)` = (h, rms_norm(h)) with h = x + residual, for contiguous
 fp32 x [M, D]; `silu_mul(gate_up)` = silu(gate_up[:, :I]) * gate_up[:, I:] for contiguous fp32
-[M, 2I] (I a multiple of 8; exp by a ~1-ulp polynomial, so within a few ulp of torch's);
+[M, 2I] (I a multiple of 8; exp by the polynomial in avx2_math.h, so within a few ulp of torch's);
 inference only (no autograd). Each row is reduced in one fixed order, so a row's
 result does not depend on the rest of the batch. It agrees with torch's rms_norm to fp32 rounding
 (the sum of squares is accumulated in a different order).
