@@ -13,6 +13,7 @@ from treespec.model_loader import load_config, load_hf_weights
 from treespec.models.block_quant import load_block_quant
 from treespec.models.config import ModelConfig
 from treespec.models.llama import LlamaForCausalLM
+from treespec.models.packed_linear import packing_layout
 
 
 def create_attn_backend(device: torch.device, cfg: ModelConfig | None = None, dtype: torch.dtype | None = None):
@@ -50,8 +51,10 @@ class ModelRunner:
         model.load_weights(load_hf_weights(model_dir))
         self.model = model.to(device=device, dtype=dtype).eval()
         self.model.rotary.to(device)
-        # GGUF blocks kept beside the fp32 weights (models/block_quant.py): the same results, faster
-        block_quants = load_block_quant(model_dir) if packed_linear and block_quant and device.type == "cpu" else {}
+        # GGUF blocks kept beside the fp32 weights (models/block_quant.py): the same results, faster.
+        # Only the panel layout streams them, so only then are they read.
+        use_blocks = packed_linear and block_quant and packing_layout(device, dtype) == "panel"
+        block_quants = load_block_quant(model_dir) if use_blocks else {}
         self.packed_linear = packed_linear and self.model.pack_for_inference(device, dtype, block_quants)
         self.kv_pool = KVPool(
             kv_pool_size, self.config.num_layers, self.config.num_kv_heads, self.config.head_dim, dtype, device

@@ -110,6 +110,15 @@ def load_block_quant(model_dir: Path) -> dict[str, BlockQuant]:
     return {n: BlockQuant(tensors[f"{n}.codes"], tensors[f"{n}.scales"], tensors[f"{n}.mins"]) for n in names}
 
 
+# LlamaForCausalLM's matmuls (module name under a layer) and the HF weights concatenated into each
+_LLAMA_FUSED_PARTS = {
+    "self_attn.qkv_proj": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
+    "self_attn.o_proj": ["self_attn.o_proj.weight"],
+    "mlp.gate_up_proj": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+    "mlp.down_proj": ["mlp.down_proj.weight"],
+}
+
+
 def fuse_llama_block_quant(quants: dict[str, BlockQuant], num_layers: int, tied: bool) -> dict[str, BlockQuant]:
     """HF-named blocks -> blocks of LlamaForCausalLM's fused matmuls, keyed by module name under its
     `layers` (e.g. "0.self_attn.qkv_proj"), plus "lm_head". A fused matmul needs all of its parts."""
@@ -118,15 +127,8 @@ def fuse_llama_block_quant(quants: dict[str, BlockQuant], num_layers: int, tied:
     if head is not None:
         fused["lm_head"] = head
     for i in range(num_layers):
-        src = f"model.layers.{i}."
-        groups = {
-            "self_attn.qkv_proj": [f"self_attn.{p}_proj.weight" for p in "qkv"],
-            "self_attn.o_proj": ["self_attn.o_proj.weight"],
-            "mlp.gate_up_proj": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
-            "mlp.down_proj": ["mlp.down_proj.weight"],
-        }
-        for module, parts in groups.items():
-            found = [quants.get(src + p) for p in parts]
+        for module, parts in _LLAMA_FUSED_PARTS.items():
+            found = [quants.get(f"model.layers.{i}.{p}") for p in parts]
             if all(q is not None for q in found):
                 fused[f"{i}.{module}"] = BlockQuant.cat(found)
     return fused

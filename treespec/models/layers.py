@@ -24,10 +24,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernel_applies(x):
-            if x.dim() == 2 and x.is_contiguous():  # the usual [tokens, hidden]: skip the reshapes
-                return self.kernel.rms_norm(x, self.weight, self.eps)
-            rows = x.reshape(-1, x.shape[-1]).contiguous()
-            return self.kernel.rms_norm(rows, self.weight, self.eps).view(x.shape)
+            flat = x.dim() == 2 and x.is_contiguous()  # the usual [tokens, hidden]: no reshapes
+            rows = x if flat else x.reshape(-1, x.shape[-1]).contiguous()
+            y = self.kernel.rms_norm(rows, self.weight, self.eps)
+            return y if flat else y.view(x.shape)
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Match HF: normalise in fp32, cast back, then scale (the fused kernel for the first part).

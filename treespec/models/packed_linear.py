@@ -104,22 +104,17 @@ def pack_weight(weight: torch.Tensor, layout: str | None = None, block_quant: Bl
 
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    if x.dim() == 2 and x.shape[0] > 0 and x.is_contiguous():  # the usual [tokens, features]: no reshapes
-        if packed.layout == "panel_quant":
-            return cpu_linear.load().linear_quant(x, packed.data, packed.scale_min, bias, packed.out_features)
-        if packed.layout == "panel":
-            return cpu_linear.load().linear(x, packed.data, bias, packed.out_features)
-    rows = x.reshape(-1, x.shape[-1])
+    flat = x.dim() == 2 and x.is_contiguous()  # the usual [tokens, features]: no reshapes
+    rows = x if flat else x.reshape(-1, x.shape[-1]).contiguous()
     if rows.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], packed.out_features)
     if packed.layout == "panel":
-        out = cpu_linear.load().linear(rows.contiguous(), packed.data, bias, packed.out_features)
+        out = cpu_linear.load().linear(rows, packed.data, bias, packed.out_features)
     elif packed.layout == "panel_quant":
-        out = cpu_linear.load().linear_quant(rows.contiguous(), packed.data, packed.scale_min, bias,
-                                             packed.out_features)
+        out = cpu_linear.load().linear_quant(rows, packed.data, packed.scale_min, bias, packed.out_features)
     else:
-        out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed.data, bias, "none", [], "")
-    return out.view(*x.shape[:-1], packed.out_features)
+        out = torch.ops.mkldnn._linear_pointwise(rows, packed.data, bias, "none", [], "")
+    return out if flat else out.view(*x.shape[:-1], packed.out_features)
 
 
 def head_logits(rows: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None) -> torch.Tensor:
