@@ -1,6 +1,8 @@
 """CPU matmul layouts side by side: the time of one decode step's matmuls (every linear layer of a
 Llama-family model, lm_head included) for several row counts, through our panel kernel, oneDNN's
-prepacked layout and plain F.linear (MKL), interleaved in one run.
+prepacked layout and plain F.linear (MKL), interleaved in one run; with the panel kernel also its
+block-quant path ("panel_quant": GGUF-style uint8 codes with fp16 scale and min per 32 weights, as the
+embedded default model streams them).
 
     python benchmarks/bench_cpu_linear.py                         # SmolLM2-135M's shapes, fp32
     python benchmarks/bench_cpu_linear.py --rows 1,2,4,8 --json cpu_linear.json
@@ -20,10 +22,17 @@ import time
 import torch
 import torch.nn.functional as F
 
+from treespec.models.block_quant import BLOCK, BlockQuant
 from treespec.models.packed_linear import onednn_packs, pack_weight, packed_linear, packing_layout
 
 # (out, in, count per step) of SmolLM2-135M: fused qkv, o, fused gate/up, down over 30 layers + lm_head
 SMOLLM2_SHAPES = [(960, 576, 30), (576, 576, 30), (3072, 576, 30), (576, 1536, 30), (49152, 576, 1)]
+
+
+def random_block_quant(out_f: int, in_f: int, gen: torch.Generator) -> BlockQuant:
+    codes = torch.randint(0, 256, (out_f, in_f), dtype=torch.uint8, generator=gen)
+    scales = (torch.rand(out_f, in_f // BLOCK, generator=gen) * 2e-3 / in_f**0.5).half()
+    return BlockQuant(codes, scales, (-128 * scales.float()).half())
 
 
 def main() -> None:
@@ -44,6 +53,12 @@ def main() -> None:
         copies = max(1, args.weight_mb * 2**20 // (out_f * in_f * 4))
         dense = [torch.randn(out_f, in_f, generator=gen) / in_f**0.5 for _ in range(copies)]
         weights[(out_f, in_f)] = {"mkl": dense, **{name: [pack_weight(w, name) for w in dense] for name in layouts}}
+        if "panel" in layouts:
+            # as many copies as the fp32 ones, so both stream from memory: ~4x fewer bytes each
+            quants = [random_block_quant(out_f, in_f, gen) for _ in range(copies)]
+            weights[(out_f, in_f)]["panel_quant"] = [pack_weight(q.dequantize(), "panel", q) for q in quants]
+    if "panel" in layouts:
+        layouts.append("panel_quant")
 
     def call(way: str, x: torch.Tensor, weight) -> torch.Tensor:
         return F.linear(x, weight) if way == "mkl" else packed_linear(x, weight, None)

@@ -12,7 +12,7 @@ features, step j its own step j-1 output), with the true tokens as inputs. Step 
 often its top-1 (mapped to target ids through the head's draft vocabulary) equals the target's greedy
 token there. chain = mean number of leading correct steps of a --steps long top-1 chain, so a chain of
 k drafts verified by the target accepts about 1 + chain tokens per step (1 + step-0 accuracy for the
-shipped EAGLE-3 setting 1,1,2). It averages over all reply positions where decoding visits only the
+setting 1,1,2). It averages over all reply positions where decoding visits only the
 positions after each accepted run, so expect agreement to a few hundredths, not exactly.
 An EAGLE head drafts over the hot-token list in <head>/token_map.pt when it has one (as the server
 does for the shipped head). Prints a table; writes JSON to --json.

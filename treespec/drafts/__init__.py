@@ -9,7 +9,7 @@ HERE = Path(__file__).resolve().parent
 SHIPPED = {"EAGLE3": "smollm2-135m-eagle3", "EAGLE": "smollm2-135m-eagle"}
 # (num_steps, topk, num_draft_tokens) for each shipped head at batch 1 (benchmarks/bench_speculative.py);
 # a head folder's speculative_config.json, when present, sets them by batch size
-TUNED = {"EAGLE3": (1, 1, 2), "EAGLE": (2, 4, 5)}
+TUNED = {"EAGLE3": (2, 1, 3), "EAGLE": (1, 1, 2)}
 
 
 def shipped_draft_path(algorithm: str) -> Path | None:

@@ -1,0 +1,29 @@
+"""bench_cpu_linear: its block-quant column really streams block codes (a weight its codes did not
+reproduce would silently pack as fp32 panels), with the fp32 kernel's results."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from treespec.kernels import cpu_linear
+from treespec.models.packed_linear import pack_weight, packed_linear
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_loader import load_benchmark  # noqa: E402
+
+
+@pytest.mark.skipif(cpu_linear.load() is None, reason="CPU matmul kernel unavailable")
+@pytest.mark.parametrize("rows", [1, 5])
+def test_random_block_quant_packs_as_codes(rows: int) -> None:
+    bench = load_benchmark("bench_cpu_linear")
+    gen = torch.Generator().manual_seed(1)
+    quant = bench.random_block_quant(96, 576, gen)
+    dense = quant.dequantize()
+    packed = pack_weight(dense, "panel", quant)
+    assert packed.layout == "panel_quant"
+    x = torch.randn(rows, 576, generator=gen)
+    assert torch.equal(packed_linear(x, packed, None), packed_linear(x, pack_weight(dense, "panel"), None))
