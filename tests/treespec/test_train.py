@@ -143,11 +143,21 @@ def test_cli_eagle_head_writes_its_token_map(setup, tmp_path: Path) -> None:
     assert [o["output_ids"] for o in spec.generate(input_ids=prompts, sampling_params=params)] == want
 
 
-def test_cli_trains_a_head_further_on_conversations_it_has_not_seen(setup, tmp_path: Path) -> None:
+def test_cli_trains_a_head_further_on_conversations_it_has_not_seen(setup, tmp_path: Path, monkeypatch) -> None:
     """--init-head + --skip-conversations: the head starts from the given weights, keeps its draft
-    vocabulary, trains on the next slice of the pool, and the reply cache is keyed by pool index."""
+    vocabulary, trains on the next slice of the pool, and the reply cache is keyed by pool index.
+    Self-distillation decodes without speculation (same greedy replies, no draft work per step)."""
+    import treespec.engine
     from treespec.train.data import prompt_ids
     from treespec.train.trainer import load_init_head
+
+    engine_kwargs: list[dict] = []
+
+    def recording_engine(*a, **kw):
+        engine_kwargs.append(kw)
+        return Engine(*a, **kw)
+
+    monkeypatch.setattr(treespec.engine, "Engine", recording_engine)
 
     common = ["--algorithm", "EAGLE3", "--target-model-path", str(setup["target"]), "--data", str(setup["data"]),
               "--holdout", "7", "--max-new-tokens", "16", "--max-seq-len", "64", "--batch-size", "4",
@@ -157,6 +167,7 @@ def test_cli_trains_a_head_further_on_conversations_it_has_not_seen(setup, tmp_p
                 "--checkpoint-dir", str(tmp_path / "ck1")])
     train_main([*common, "--skip-conversations", "16", "--num-conversations", "8", "--steps", "4",
                 "--init-head", str(first), "--output", str(second), "--checkpoint-dir", str(tmp_path / "ck2")])
+    assert len(engine_kwargs) == 2 and all(kw["speculative_algorithm"] == "NONE" for kw in engine_kwargs)
     a, b = load_draft_model(first, "EAGLE3", 256), load_draft_model(second, "EAGLE3", 256)
     assert torch.equal(a.d2t, b.d2t)  # the vocabulary of the head it started from, not one chosen anew
     assert not torch.equal(a.fc.weight, b.fc.weight)  # and it trained

@@ -87,9 +87,11 @@ def build_examples(args: argparse.Namespace, model_dir: Path, tokenizer, work: P
         dtype_name = str(gen_args.resolved_dtype(gen_args.resolved_device())).removeprefix("torch.")
         cache = work.parent / f"distill-{key}-p{args.max_prompt_tokens}-n{args.max_new_tokens}-{dtype_name}.jsonl"
         def make_engine() -> Engine:
+            # plain decoding: greedy replies are the same with speculation, which at this batch size
+            # would only add a draft extend per step
             return Engine(None if args.target_model_path is None else str(model_dir),
                           max_running_requests=args.distill_batch, num_threads=args.num_threads,
-                          dtype=args.distill_dtype,
+                          dtype=args.distill_dtype, speculative_algorithm="NONE",
                           max_total_tokens=args.distill_batch * (args.max_prompt_tokens + args.max_new_tokens + 64))
 
         examples = self_distill(make_engine, tokenizer, convs, cache, args.max_prompt_tokens, args.max_new_tokens,
