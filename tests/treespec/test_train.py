@@ -81,6 +81,8 @@ def test_training_reduces_loss_and_resumes_exactly(setup, tmp_path: Path, algori
     # interrupted after 13 steps, resumed to 20: same step, data position and weights as straight through
     cfg.steps = 20
     full = train(cfg, target, examples, feats, tmp_path / "b.pt", False, 256, progress=False)
+    stopped = train(cfg, target, examples, feats, tmp_path / "d.pt", False, 256, progress=False, stop_at=0)
+    assert stopped.history == []  # --stop-after 0: no step (exports a checkpoint's head as it is)
     train(cfg, target, examples, feats, tmp_path / "c.pt", False, 256, progress=False, stop_at=13)
     assert torch.load(tmp_path / "c.pt", weights_only=False)["step"] == 13
     resumed = train(cfg, target, examples, feats, tmp_path / "c.pt", True, 256, progress=False)

@@ -196,7 +196,7 @@ def train(cfg: TrainConfig, target: LlamaForCausalLM, examples: list[dict], feat
     t2d[vocab_ids] = True
     bar = tqdm(total=cfg.steps, initial=step, desc=f"train {cfg.algorithm}", disable=not progress)
     try:
-        while step < min(cfg.steps, stop_at or cfg.steps):
+        while step < (cfg.steps if stop_at is None else min(cfg.steps, stop_at)):
             step = _one_step(cfg, model, opt, params, batches, examples, feats, embed, vocab_rows, t2d,
                              steps, step, history, bar)
             if step % cfg.save_every == 0:
