@@ -4,7 +4,7 @@ Candidate ids. Drafting with `topk` and `num_steps` numbers the draft candidates
   * step 0: ids [0, topk) are the root's top-k children;
   * step s >= 1: id `topk + (s-1)*topk*topk + r*topk + j` is the j-th child (0 <= j < topk) of the
     node held in frontier row r (0 <= r < topk) after step s-1.
-This is the order of `organize_draft_results`' flattened score list (treespec/spec/tree.py).
+This is the order of `organize_draft_results`' flattened score list (treespec/speculative/expansion.py).
 
 Inputs, per request b (bs requests, n = num_draft_tokens):
   * `parent_list` int64 [bs, topk*(num_steps-1)+1]: entry 0 is -1 (the root); entry 1 + s*topk + r is

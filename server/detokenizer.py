@@ -17,7 +17,7 @@ from multiprocessing.connection import Connection
 import zmq
 
 from treespec.engine import finish_text, load_tokenizer
-from treespec.sampling import SamplingParams
+from treespec.sampling_params import SamplingParams
 from treespec.server.io_struct import (
     BatchTextOut,
     BatchTokenOut,

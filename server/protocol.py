@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from treespec.sampling import InvalidRequest, SamplingParams
+from treespec.sampling_params import InvalidRequest, SamplingParams
 
 
 class ApiError(Exception):

@@ -18,7 +18,7 @@ import zmq
 
 from treespec.args import ServerArgs
 from treespec.request import RequestOutput
-from treespec.sampling import InvalidRequest, SamplingParams
+from treespec.sampling_params import InvalidRequest, SamplingParams
 from treespec.server.io_struct import (
     AbortReq,
     BatchTokenOut,

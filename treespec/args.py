@@ -135,7 +135,7 @@ class ServerArgs:
             check(Path(self.speculative_token_map).is_file(), "--speculative-token-map",
                   f"{self.speculative_token_map!r} is not a file")
         if self.speculative_config:
-            from treespec.spec.schedule import ScheduleError, SpecSchedule
+            from treespec.speculative.shapes import ScheduleError, SpecSchedule
 
             try:
                 SpecSchedule.from_file(self.speculative_config)

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from treespec.args import ServerArgs
 from treespec.request import new_rid
-from treespec.sampling import InvalidRequest, SamplingParams
+from treespec.sampling_params import InvalidRequest, SamplingParams
 from treespec.scheduler import Scheduler
 
 

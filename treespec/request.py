@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treespec.sampling import SamplingParams
+from treespec.sampling_params import SamplingParams
 
 _EMPTY = torch.zeros(0, dtype=torch.int64)
 _rid_counter = itertools.count()

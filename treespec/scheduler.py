@@ -25,8 +25,8 @@ from treespec.mem.req_to_token import ReqToTokenPool
 from treespec.model_loader import resolve_model_path
 from treespec.model_runner import ModelRunner
 from treespec.request import Req, RequestOutput
-from treespec.sampler import sample_next_tokens
-from treespec.sampling import InvalidRequest, SamplingParams
+from treespec.sampling import sample_next_tokens
+from treespec.sampling_params import InvalidRequest, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +62,8 @@ class Scheduler:
             self.cache = RadixCache(self.req_to_token_pool, self.allocator, bigram_keys=self.spec_enabled)
         self.spec_worker = None
         if self.spec_enabled:
-            # --- speculative decoding hook (owned by treespec/spec/eagle_worker.py) ---
-            from treespec.spec.eagle_worker import EagleWorker
+            # --- speculative decoding hook (owned by treespec/speculative/eagle_worker.py) ---
+            from treespec.speculative.eagle_worker import EagleWorker
 
             self.spec_worker = EagleWorker(args, self.runner, self.req_to_token_pool, self.allocator)
         self.tokenizer = None  # set by the owner when stop strings must be checked

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from treespec.spec.schedule import SpecSchedule, SpecShape
+from treespec.speculative.shapes import SpecSchedule, SpecShape
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_loader import load_benchmark  # noqa: E402

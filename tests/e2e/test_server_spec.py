@@ -32,7 +32,7 @@ def random_eagle3_head(path) -> str:
         from treespec.model_loader import resolve_model_path
         from treespec.models.config import ModelConfig
         from treespec.models.draft_loader import create_draft_model, save_draft
-        from treespec.spec.eagle_worker import EagleWorker  # noqa: F401
+        from treespec.speculative.eagle_worker import EagleWorker  # noqa: F401
     except ImportError as e:
         pytest.skip(f"EAGLE-3 speculation is not available yet: {e}")
     target = resolve_model_path(None)

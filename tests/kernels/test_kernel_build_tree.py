@@ -1,8 +1,8 @@
 import pytest
 import torch
 
+from tests.treespec.speculative.tree_oracles import random_draft_tree
 from treespec.kernels.tree_build import build_tree_torch, build_tree_triton, tree_parent_nodes
-from treespec.spec.tree import random_draft_tree
 
 # (num_steps, topk, num_draft_tokens)
 TREE_CONFIGS = [(1, 1, 2), (3, 1, 4), (2, 2, 5), (5, 4, 16), (6, 8, 48)]

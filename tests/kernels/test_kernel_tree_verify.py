@@ -1,13 +1,13 @@
 import pytest
 import torch
 
+from tests.treespec.speculative.tree_oracles import random_draft_tree
 from treespec.kernels.tree_build import build_tree_torch, tree_parent_nodes
 from treespec.kernels.tree_sampling import (
     tree_speculative_sampling_target_only_torch,
     tree_speculative_sampling_target_only_triton,
 )
 from treespec.kernels.tree_verify import verify_tree_greedy_torch, verify_tree_greedy_triton
-from treespec.spec.tree import random_draft_tree
 
 TREE_CONFIGS = [(1, 1, 2), (3, 1, 4), (2, 2, 5), (5, 4, 16), (6, 8, 48)]
 VOCAB = 24

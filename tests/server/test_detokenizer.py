@@ -4,7 +4,7 @@ import pytest
 
 from treespec.engine import finish_text, load_tokenizer
 from treespec.model_loader import resolve_model_path
-from treespec.sampling import SamplingParams
+from treespec.sampling_params import SamplingParams
 from treespec.server.detokenizer import IncrementalDetokenizer, process_batch, stop_holdback
 from treespec.server.io_struct import BatchTokenOut, TokenOut
 

@@ -8,7 +8,7 @@ import pytest
 import zmq
 
 from treespec.request import RequestOutput
-from treespec.sampling import InvalidRequest
+from treespec.sampling_params import InvalidRequest
 from treespec.server.io_struct import (
     AbortReq,
     BatchTokenOut,

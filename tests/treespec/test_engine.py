@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from treespec.engine import Engine, chat_input_ids
-from treespec.sampling import InvalidRequest
+from treespec.sampling_params import InvalidRequest
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -129,7 +129,8 @@ def test_penalties_change_output(engine):
 
 
 def test_penalty_semantics():
-    from treespec.sampling import SamplingParams, apply_penalties
+    from treespec.sampling import apply_penalties
+    from treespec.sampling_params import SamplingParams
 
     logits = torch.tensor([2.0, -2.0, 1.0, 0.5])
     counts = torch.tensor([3.0, 1.0, 0.0, 0.0])
@@ -183,7 +184,7 @@ def test_continuous_batching_requests_join_and_leave(engine):
     alone = [engine.generate(f"Count to {n}:", {"temperature": 0, "max_new_tokens": 6 + 3 * n})["output_ids"]
              for n in range(4)]
     ids = [engine.tokenizer.encode(f"Count to {n}:") for n in range(4)]
-    from treespec.sampling import SamplingParams
+    from treespec.sampling_params import SamplingParams
 
     done, max_running = {}, 0
     for n in range(4):

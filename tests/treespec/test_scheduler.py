@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from treespec.engine import Engine
-from treespec.sampling import SamplingParams
+from treespec.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model_factory import make_tiny_model  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from tests.treespec.spec.eagle_test_models import random_target
+from tests.treespec.speculative.eagle_test_models import random_target
 from treespec.engine import Engine
 from treespec.models.draft_loader import load_draft_model
 from treespec.train.__main__ import main as train_main

@@ -7,12 +7,12 @@ import copy
 
 import torch
 
+from tests.treespec.speculative.tree_oracles import random_draft_tree
 from treespec.request import Req
-from treespec.sampler import penalized_logits
-from treespec.sampling import SamplingParams
-from treespec.spec.accept import tree_penalized_logits
-from treespec.spec.tree import random_draft_tree
-from treespec.spec.tree_batch import make_draft_tree
+from treespec.sampling import penalized_logits
+from treespec.sampling_params import SamplingParams
+from treespec.speculative.tree import make_draft_tree
+from treespec.speculative.verify import tree_penalized_logits
 
 VOCAB = 16
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 from eagle_test_models import random_head, random_target
 
-import treespec.spec.eagle_worker as eagle_worker
+import treespec.speculative.eagle_worker as eagle_worker
 from treespec.attention.metadata import build_metadata
 from treespec.engine import Engine
 from treespec.forward_batch import ForwardBatch, ForwardMode
-from treespec.sampling import SamplingParams
+from treespec.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

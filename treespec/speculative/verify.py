@@ -16,9 +16,8 @@ import torch
 
 from treespec.kernels import tree_speculative_sampling_target_only, verify_tree_greedy
 from treespec.request import Req
-from treespec.sampler import penalized_logits, sampling_tensors
-from treespec.sampling import apply_sampling_filters
-from treespec.spec.tree_batch import DraftTree
+from treespec.sampling import apply_sampling_filters, penalized_logits, sampling_tensors
+from treespec.speculative.tree import DraftTree
 
 
 def tree_penalized_logits(reqs: list[Req], logits: torch.Tensor, tree: DraftTree) -> torch.Tensor:

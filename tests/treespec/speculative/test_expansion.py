@@ -1,12 +1,12 @@
 import pytest
 import torch
 
+from tests.treespec.speculative.tree_oracles import eagle2_tree_oracle
 from treespec.kernels import build_tree
-from treespec.spec.tree import (
+from treespec.speculative.expansion import (
     DraftStepInfo,
     draft_topk,
     draft_tree_parents,
-    eagle2_tree_oracle,
     extend_branch_slots,
     organize_draft_results,
     select_top_k_tokens,

@@ -2,8 +2,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from tests.treespec.speculative.verify_reference import verify_tree
 from treespec.kernels import build_tree, verify_tree_greedy
-from treespec.spec.verify import apply_sampling_filters, verify_tree
+from treespec.sampling import apply_sampling_filters
 
 P = [0.5, 0.3, 0.15, 0.05]
 

@@ -10,7 +10,7 @@ from eagle_test_models import Lookup, lookup_eagle3_head, lookup_target
 
 from treespec.args import ArgError, ServerArgs
 from treespec.engine import Engine
-from treespec.spec.schedule import ScheduleError, SpecSchedule, SpecShape
+from treespec.speculative.shapes import ScheduleError, SpecSchedule, SpecShape
 
 SCHEDULE = {"schedule": [
     {"max_batch_size": 1, "num_steps": 3, "eagle_topk": 2, "num_draft_tokens": 5},

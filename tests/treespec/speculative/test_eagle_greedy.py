@@ -137,7 +137,7 @@ def test_eagle_token_map_drafts_only_hot_tokens_and_stays_exact(model_dirs, refe
     still plain greedy decoding, and a list that covers what the target says keeps acceptance high."""
     import torch
 
-    import treespec.spec.eagle_worker as eagle_worker
+    import treespec.speculative.eagle_worker as eagle_worker
     from treespec.models.draft_loader import save_token_map
 
     said = sorted({t for out in references["lookup"] for t in out})

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from treespec.attention.metadata import build_metadata
 from treespec.model_runner import ModelRunner
 from treespec.models.draft_loader import load_draft_model, save_draft
-from treespec.spec.draft_runner import DraftRunner, draft_extend_batch
+from treespec.speculative.draft_runner import DraftRunner, draft_extend_batch
 
 VOCAB, INTER, T = 256, 96, 7
 

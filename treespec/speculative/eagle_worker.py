@@ -24,11 +24,22 @@ from treespec.mem.allocator import TokenToKVPoolAllocator
 from treespec.mem.req_to_token import ReqToTokenPool
 from treespec.model_runner import ModelRunner
 from treespec.request import Req
-from treespec.spec.accept import token_logprobs, verify_tree_mixed
-from treespec.spec.draft_runner import DraftRunner, draft_extend_batch, draft_tree_step_batch
-from treespec.spec.schedule import SpecSchedule
-from treespec.spec.tree import draft_topk, extend_branch_slots, organize_draft_results, select_top_k_tokens
-from treespec.spec.tree_batch import DraftTree, commit_accepted, make_draft_tree, root_only_tree, verify_batch
+from treespec.speculative.draft_runner import DraftRunner, draft_extend_batch, draft_tree_step_batch
+from treespec.speculative.expansion import (
+    draft_topk,
+    extend_branch_slots,
+    organize_draft_results,
+    select_top_k_tokens,
+)
+from treespec.speculative.shapes import SpecSchedule
+from treespec.speculative.tree import (
+    DraftTree,
+    commit_accepted,
+    make_draft_tree,
+    root_only_tree,
+    verify_batch,
+)
+from treespec.speculative.verify import token_logprobs, verify_tree_mixed
 
 
 class EagleWorker:

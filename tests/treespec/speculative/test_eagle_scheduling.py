@@ -17,7 +17,7 @@ from eagle_test_models import (
 
 from treespec.engine import Engine
 from treespec.mem.radix_cache import RadixCache
-from treespec.sampling import SamplingParams
+from treespec.sampling_params import SamplingParams
 
 SHARED = [5, 17, 99, 3, 42, 42, 7, 130, 200, 11, 64, 9]
 FIRST, SECOND = SHARED + [1, 2, 3, 4], SHARED + [250, 6, 77]

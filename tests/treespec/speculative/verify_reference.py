@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from treespec.kernels import tree_speculative_sampling_target_only, verify_tree_greedy
-from treespec.sampling import GREEDY_TEMPERATURE, apply_sampling_filters
+from treespec.sampling import apply_sampling_filters
+from treespec.sampling_params import GREEDY_TEMPERATURE
 
 
 @dataclass
