@@ -86,8 +86,8 @@ def run_setting(model_path, algorithm, draft, setting, prompts_ids, batch_size, 
             outputs.append(o["output_ids"])
     elapsed = time.perf_counter() - start
     engine.check_pool_balance()
-    worker = engine.scheduler.spec_worker
-    histogram = {str(k): v for k, v in sorted(worker.accept_histogram.items())} if worker else {}
+    counts = engine.scheduler.spec_accept_histogram
+    histogram = {str(k): v for k, v in sorted(counts.items())}
     return {"setting": list(setting) if setting else None, "batch_size": batch_size, "seconds": elapsed,
             "output_tok_s": completion / elapsed, "accept_length": completion / verify if verify else 1.0,
             "accept_histogram": histogram, "outputs": outputs}

@@ -53,8 +53,7 @@ class Req:
     cached_tokens: int = 0
     sent_len: int = 0  # output tokens already reported
     num_retractions: int = 0
-    spec_verify_ct: int = 0
-    spec_accepted_tokens: int = 0
+    spec_verify_ct: int = 0  # speculative steps this request took part in (meta_info's accept length)
     generator: torch.Generator | None = None
     output_counts: torch.Tensor | None = None  # [V] counts for frequency/presence penalties
     prompt_mask: torch.Tensor | None = None  # [V] tokens seen in the prompt (repetition penalty)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import deque
+from collections import Counter, deque
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,7 @@ from treespec.model_runner import ModelRunner
 from treespec.request import Req, RequestOutput
 from treespec.sampling import sample_next_tokens
 from treespec.sampling_params import InvalidRequest, SamplingParams
+from treespec.speculative.shapes import SpecShape
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,10 @@ DEFAULT_KV_TOKENS = 65536
 RESERVE_CAP = 256  # per request, at most this many future decode tokens are reserved at admission
 IN_BATCH_PREFIX_MIN = 32  # defer a request sharing this many uncached tokens with the batch
 INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY = 0.7, 0.1, 0.001
+PLAIN_STEP = SpecShape(0, 1, 1)  # a speculative step without drafts: the root alone is verified
+
+if TYPE_CHECKING:
+    from treespec.speculative.eagle_worker import SpecStepResult
 
 
 class Scheduler:
@@ -62,7 +68,6 @@ class Scheduler:
             self.cache = RadixCache(self.req_to_token_pool, self.allocator, bigram_keys=self.spec_enabled)
         self.spec_worker = None
         if self.spec_enabled:
-            # --- speculative decoding hook (owned by treespec/speculative/eagle_worker.py) ---
             from treespec.speculative.eagle_worker import EagleWorker
 
             self.spec_worker = EagleWorker(args, self.runner, self.req_to_token_pool, self.allocator)
@@ -75,7 +80,9 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness
         self.stats = {"num_retractions": 0, "prompt_tokens": 0, "cached_tokens": 0,
                       "generated_tokens": 0, "num_finished": 0, "prefill_tokens": 0,
-                      "spec_verify_ct": 0, "spec_emitted_tokens": 0}
+                      "spec_verify_ct": 0, "spec_emitted_tokens": 0, "spec_shrunk_steps": 0}
+        # the one accept counter: tokens committed per request per verify step (stats above pool it)
+        self.spec_accept_histogram: Counter[int] = Counter()
         self.start_time = time.time()
         self._seed_counter = args.random_seed
 
@@ -149,7 +156,7 @@ class Scheduler:
         else:
             return []
         if not self.has_work():
-            self.check_pool_balance()  # the idle-time leak check (DESIGN §3)
+            self.check_pool_balance()  # the idle-time leak check (docs/architecture.md, memory)
         return outputs
 
     # ------------------------------------------------------------------ admission
@@ -310,31 +317,15 @@ class Scheduler:
         return outputs
 
     def _run_spec_decode(self) -> list[RequestOutput]:
-        """One speculative step (draft, verify, draft extend) for every running request; accepted
-        tokens are appended one at a time so stop rules cut exactly where plain decoding would."""
-        # Room for a plain step per request at least (retracting if even that does not fit), and for
-        # full trees if evicting cached prefixes gets there; the worker shrinks its trees to what is free.
-        self._make_room_for_decode(len(self.running))
-        short = len(self.running) * self.spec_worker.slots_per_request - self.allocator.available_size()
-        if short > 0:
-            self.cache.evict(short)
+        """One speculative step for every running request: the worker drafts and verifies, then this
+        commits its result once (stop rules, KV, counters) and the draft catches up on what was kept."""
+        shape = self._spec_step_shape()
         reqs = self.running
-        accepted = self.spec_worker.decode_step(reqs)  # kv_len and req_to_token updated by the worker
-        logprobs = self.spec_worker.last_logprobs
+        result = self.spec_worker.decode_step(reqs, shape)
+        committed = [self._commit_spec_tokens(req, result, b) for b, req in enumerate(reqs)]
+        self.spec_worker.draft_extend(reqs, result, committed)
         outputs = []
-        for req, tokens, token_logprobs in zip(reqs, accepted, logprobs, strict=True):
-            req.spec_verify_ct += 1
-            self.stats["spec_verify_ct"] += 1
-            for i, tok in enumerate(tokens):
-                if token_logprobs is not None:
-                    req.output_token_logprobs.append((token_logprobs[i][0], tok))
-                    req.output_top_logprobs.append(token_logprobs[i][1])
-                self.stats["generated_tokens"] += 1
-                self.stats["spec_emitted_tokens"] += 1
-                req.spec_accepted_tokens += 1
-                if req.append_token(tok, self.tokenizer):
-                    break
-            self._truncate_kv(req)
+        for req in reqs:
             if req.finished:
                 self._finish(req)
             outputs.append(req.take_output())
@@ -342,13 +333,48 @@ class Scheduler:
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return outputs
 
-    def _truncate_kv(self, req: Req) -> None:
-        """Free KV of accepted tokens that a stop rule dropped: KV covers all_ids[:-1] at most."""
-        keep = req.seq_len - 1
-        if req.kv_len > keep:
-            row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-            self.allocator.free(row[keep : req.kv_len].to(torch.int64))
-            req.kv_len = keep
+    def _spec_step_shape(self) -> SpecShape:
+        """The tree shape of this step, sized against the free KV slots (the only place that does):
+        room for a plain step per request first (retracting if even that does not fit), then the
+        schedule's tree for this batch size if evicting cached prefixes gets there, else the longest
+        chain that fits (0 steps: verify the root alone, a plain step)."""
+        self._make_room_for_decode(len(self.running))
+        bs = len(self.running)
+        shape = self.spec_worker.schedule.shape_for(bs)
+        if shape.num_steps == 0:
+            return PLAIN_STEP
+        short = bs * shape.slots_per_request - self.allocator.available_size()
+        if short > 0:
+            self.cache.evict(short)  # as much as it can; the tree shrinks below if that is not enough
+        free = self.allocator.available_size()
+        if bs * shape.slots_per_request <= free:
+            return shape
+        self.stats["spec_shrunk_steps"] += 1
+        steps = max(0, min(shape.num_steps, free // bs - 1))
+        return SpecShape(steps, 1, steps + 1) if steps else PLAIN_STEP
+
+    def _commit_spec_tokens(self, req: Req, result: SpecStepResult, b: int) -> int:
+        """Append request b's verified tokens one at a time, so stop rules cut exactly where plain
+        decoding would; keep the KV of the tokens kept, free the rest. Returns the count kept."""
+        tokens, slots, logprobs = result.tokens[b], result.kept_slots[b], result.logprobs[b]
+        kept = 0
+        for tok in tokens:
+            if logprobs is not None:
+                req.output_token_logprobs.append((logprobs[kept][0], tok))
+                req.output_top_logprobs.append(logprobs[kept][1])
+            kept += 1
+            if req.append_token(tok, self.tokenizer):
+                break
+        # KV covers all_ids[:-1]: the slots of the kept tokens' positions kv_len .. kv_len + kept - 1
+        self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots[:kept])
+        self.allocator.free(slots[kept:])
+        req.kv_len += kept
+        req.spec_verify_ct += 1
+        self.stats["spec_verify_ct"] += 1
+        self.stats["spec_emitted_tokens"] += kept
+        self.stats["generated_tokens"] += kept
+        self.spec_accept_histogram[kept] += 1
+        return kept
 
     def _make_room_for_decode(self, need: int) -> None:
         """Retract running requests until `need` new slots fit; retracted ones resume later."""

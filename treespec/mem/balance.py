@@ -1,4 +1,4 @@
-"""KV pool balance check (DESIGN §3): every usable slot is free, cached, or private to a running request.
+"""KV pool balance check (docs/architecture.md, memory): every usable slot is free, cached, or private to a running request.
 
 A leak is a bug, not a warning: the check raises AssertionError explicitly (not `assert`, which
 `python -O` would strip).

@@ -1,19 +1,25 @@
-"""EagleWorker: one EAGLE-2 / EAGLE-3 tree speculative step for the scheduler's running requests.
+"""EagleWorker: the draft-and-verify half of one EAGLE-2 / EAGLE-3 tree speculative step.
 
 Positions and the one-token shift: the draft's row at position i takes (token i+1, target hidden
-state at i) and predicts token i+2. After every step a request has target and draft KV for
-positions [0, kv_len) with kv_len == seq_len - 1 (the last token, the tree root, has none yet), plus
-the draft's output (logits, hidden state) at position kv_len - 1, from which drafting starts.
+state at i) and predicts token i+2. Between steps a request has target and draft KV for positions
+[0, kv_len) with kv_len == seq_len - 1 (the last token, the tree root, has none yet), plus the draft's
+output (logits, hidden state) at position kv_len - 1, from which drafting starts.
 
-A step (decode_step): draft num_steps levels with EAGLE-2 top-k expansion (scratch draft KV in slots
-taken under an allocator backup and given back right after), rerank to num_draft_tokens nodes, build
-the tree, verify it with one TARGET_VERIFY forward, keep the accepted nodes' KV, free the rest, and
-run the draft over the emitted tokens (draft extend) so its KV and state are current again.
+Ownership: the Scheduler owns requests, their KV bookkeeping and the stop rules; this worker owns the
+draft model and its per-request state. One step is:
+  1. `decode_step(reqs, shape)`: draft `shape.num_steps` levels with EAGLE-2 top-k expansion (scratch
+     draft KV in slots taken under an allocator backup and given back right after), rerank to
+     `shape.num_draft_tokens` nodes, build the tree, verify it with one TARGET_VERIFY forward, free the
+     rejected nodes' slots and return a `SpecStepResult`: per request the accepted tokens (drafts + the
+     bonus token) and the target KV slots of the accepted nodes, same count. Nothing else changes.
+  2. The Scheduler commits the result (stop rules, req_to_token, kv_len, surplus slots freed).
+  3. `draft_extend(reqs, result, committed)`: the draft over the committed tokens, so its KV and state
+     are current for the next step.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
@@ -31,15 +37,30 @@ from treespec.speculative.expansion import (
     organize_draft_results,
     select_top_k_tokens,
 )
-from treespec.speculative.shapes import SpecSchedule
+from treespec.speculative.shapes import SpecSchedule, SpecShape
 from treespec.speculative.tree import (
     DraftTree,
-    commit_accepted,
     make_draft_tree,
     root_only_tree,
+    split_accepted,
     verify_batch,
 )
 from treespec.speculative.verify import token_logprobs, verify_tree_mixed
+
+
+@dataclass(frozen=True)
+class SpecStepResult:
+    """What one draft-and-verify step produced, per request (in the order of the step's requests)."""
+
+    tokens: list[list[int]]  # accepted draft tokens then the bonus token
+    kept_slots: list[torch.Tensor]  # target KV slots of the accepted nodes (root first), one per token
+    accepted_drafts: list[int]  # draft tokens the target accepted (bonus excluded)
+    # (logprob, top logprobs) per token under the target distribution, None where not asked for
+    logprobs: list[list[tuple[float, list]] | None]
+    # for the draft extend: each request's kv_len before the step, its accepted verify rows, the output
+    kv_lens: list[int]
+    accept_rows: list[torch.Tensor]
+    verify_output: ModelOutput
 
 
 class EagleWorker:
@@ -64,19 +85,8 @@ class EagleWorker:
             layers = self.draft.model.capture_layers(target_runner.config.num_layers)
             self.target_capture_layers = tuple(sorted(set(layers)))
             self.aux_order = torch.tensor([self.target_capture_layers.index(i) for i in layers])
-        self.slots_per_request = self.schedule.slots_per_request
         # rid -> (draft logits, draft hidden state) at the request's position kv_len - 1
         self.draft_states: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.last_logprobs: list[list[tuple[float, list]] | None] = []
-        self.stats = {"verify_steps": 0, "accepted_drafts": 0, "emitted_tokens": 0, "shrunk_steps": 0}
-        self.accept_histogram: Counter[int] = Counter()  # tokens emitted per request per verify step
-        self.record_draft = False  # tests: keep every draft step's rows (paths and logits)
-        self.draft_records: list[tuple[list[str], list[int], torch.Tensor, torch.Tensor]] = []
-
-    @property
-    def avg_accept_length(self) -> float:
-        """Tokens emitted per request per verify step (accepted drafts + the bonus token)."""
-        return self.stats["emitted_tokens"] / max(self.stats["verify_steps"], 1)
 
     # ------------------------------------------------------------------ draft extend
     def _draft_features(self, output: ModelOutput, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,44 +116,35 @@ class EagleWorker:
             if not req.finished and req.kv_len == req.seq_len - 1:
                 self.draft_states[req.rid] = (out.logits[i], out.hidden_states[i])
 
-    def _extend_after_decode(self, reqs: list[Req], kv_lens: list[int], tokens: list[list[int]],
-                             kept_slots: list[torch.Tensor], accept_rows: list[torch.Tensor],
-                             verify_out: ModelOutput) -> None:
-        lens = [len(t) for t in tokens]
-        positions = torch.cat([torch.arange(k, k + m) for k, m in zip(kv_lens, lens, strict=True)])
+    def draft_extend(self, reqs: list[Req], result: SpecStepResult, committed: list[int]) -> None:
+        """The draft over the first `committed[b]` tokens of request b's step result, at the positions
+        and slots the Scheduler kept for them. Every request of the step is run, finished ones too:
+        their slots now hold cached prefix, which needs draft KV. Afterwards only requests still
+        running keep a draft state."""
+        tokens = [t[:n] for t, n in zip(result.tokens, committed, strict=True)]
+        slots = [s[:n] for s, n in zip(result.kept_slots, committed, strict=True)]
+        rows = [r[:n] for r, n in zip(result.accept_rows, committed, strict=True)]
+        positions = torch.cat([torch.arange(k, k + n) for k, n in zip(result.kv_lens, committed, strict=True)])
         kv_lists = [self.req_to_token_pool.read(r.req_pool_idx, 0, r.kv_len) for r in reqs]
-        last_rows = torch.cumsum(torch.tensor(lens), 0) - 1
-        feats = self._draft_features(verify_out, torch.cat(accept_rows).to(self.device))
+        last_rows = torch.cumsum(torch.tensor(committed), 0) - 1
+        feats = self._draft_features(result.verify_output, torch.cat(rows).to(self.device))
         dbatch = draft_extend_batch(
             torch.tensor([t for ts in tokens for t in ts], device=self.device), positions.to(self.device),
-            torch.cat(kept_slots).to(self.device), build_metadata(lens, kv_lists, device=self.device),
+            torch.cat(slots).to(self.device), build_metadata(committed, kv_lists, device=self.device),
             feats, last_rows.to(self.device))
         out = self.draft.forward(dbatch)
         # Rebuilt from this batch only: states of requests that left (finished, aborted, retracted) go.
-        self.draft_states = {r.rid: (out.logits[i], out.hidden_states[i]) for i, r in enumerate(reqs)}
+        self.draft_states = {r.rid: (out.logits[i], out.hidden_states[i])
+                             for i, r in enumerate(reqs) if not r.finished}
 
     # ------------------------------------------------------------------ drafting
-    def _step_shape(self, bs: int) -> tuple[int, int, int]:
-        """(num_steps, topk, num_draft_tokens) for this step: the schedule's tree for this batch size
-        when the free slots allow it, else the longest chain that fits (0 steps: verify the root
-        alone, a plain step)."""
-        shape = self.schedule.shape_for(bs)
-        if shape.num_steps == 0:
-            return 0, 1, 1
-        free = self.allocator.available_size()
-        if bs * shape.slots_per_request <= free:
-            return shape.num_steps, shape.topk, shape.num_draft_tokens
-        self.stats["shrunk_steps"] += 1
-        steps = max(0, min(shape.num_steps, free // bs - 1))
-        return steps, 1, steps + 1
-
     def _draft_tree(self, reqs: list[Req], kv_lens: list[int], prefix_slots: list[torch.Tensor],
                     roots: torch.Tensor, steps: int, topk: int, num_nodes: int) -> DraftTree:
         bs, hot = len(reqs), self.draft.hot_token_map
         topk_p, topk_index = draft_topk(torch.stack([self.draft_states[r.rid][0] for r in reqs]), topk, hot)
         hidden = torch.stack([self.draft_states[r.rid][1] for r in reqs])
         row_kv_lens = torch.tensor(kv_lens).repeat_interleave(topk)
-        scores, infos, branch_slots, branch_tokens = None, [], None, None
+        scores, infos, branch_slots = None, [], None
         backup = self.allocator.backup_state()
         try:
             scratch = self.allocator.alloc(bs * topk * (steps - 1)).view(steps - 1, bs, topk)
@@ -162,55 +163,36 @@ class EagleWorker:
                 out = self.draft.forward(batch)
                 topk_p, topk_index = draft_topk(out.logits, topk, hot)
                 hidden = out.hidden_states
-                if self.record_draft:
-                    branch_tokens = extend_branch_slots(branch_tokens, parent_rows, input_ids.view(bs, topk).cpu())
-                    self.draft_records.append(([r.rid for r in reqs], list(kv_lens), branch_tokens.clone(),
-                                               out.logits.view(bs, topk, -1).cpu().clone()))
         finally:
             self.allocator.restore_state(backup)
         parent_list, top_index, draft_tokens = organize_draft_results(
             [i.scores for i in infos], [i.tokens for i in infos], [i.parents for i in infos], num_nodes)
-        return make_draft_tree(roots, draft_tokens.cpu(), parent_list.cpu(), top_index.cpu(), kv_lens, topk, steps)
+        return make_draft_tree(roots, draft_tokens, parent_list, top_index, kv_lens, topk, steps)
 
     # ------------------------------------------------------------------ one speculative step
-    def decode_step(self, reqs: list[Req]) -> list[list[int]]:
-        """Returns per request the tokens to append (accepted drafts + bonus, at most what
-        max_new_tokens still allows); their KV is committed and kv_len advanced accordingly.
-        `last_logprobs` then holds (logprob, top logprobs) per token for requests that asked."""
+    def decode_step(self, reqs: list[Req], shape: SpecShape) -> SpecStepResult:
+        """Draft a tree of `shape` per request (num_steps 0: the root alone, a plain step) and verify
+        it. The Scheduler sized `shape` against the free KV slots; this only allocates what it needs."""
         bs = len(reqs)
-        steps, topk, num_nodes = self._step_shape(bs)
         kv_lens = [r.kv_len for r in reqs]
-        pool_indices = [r.req_pool_idx for r in reqs]
-        prefix_slots = [self.req_to_token_pool.read(i, 0, k) for i, k in zip(pool_indices, kv_lens, strict=True)]
+        prefix_slots = [self.req_to_token_pool.read(r.req_pool_idx, 0, k) for r, k in zip(reqs, kv_lens, strict=True)]
         roots = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64)
-        if steps == 0:
+        if shape.num_steps == 0:
             tree = root_only_tree(roots, kv_lens)
         else:
-            tree = self._draft_tree(reqs, kv_lens, prefix_slots, roots, steps, topk, num_nodes)
+            tree = self._draft_tree(reqs, kv_lens, prefix_slots, roots, shape.num_steps, shape.topk,
+                                    shape.num_draft_tokens)
 
-        verify_slots = self.allocator.alloc(bs * num_nodes).view(bs, num_nodes)
+        verify_slots = self.allocator.alloc(bs * tree.num_nodes).view(bs, tree.num_nodes)
         vbatch = verify_batch(tree, prefix_slots, verify_slots, self.draft.clamp_positions(tree.positions),
                               self.target_capture_layers, self.device)
         out = self.target.forward(vbatch, return_all_hidden=True)
         predicts, accept_index, accept_length = verify_tree_mixed(reqs, out.logits, tree)
-
-        accept_rows, tokens = [], []
-        for b, req in enumerate(reqs):
-            budget = req.sampling_params.max_new_tokens - len(req.output_ids)
-            rows = accept_index[b, : min(int(accept_length[b]) + 1, budget)]
-            accept_rows.append(rows)
-            tokens.append(predicts[rows].tolist())
-        kept = commit_accepted(accept_rows, verify_slots, pool_indices, kv_lens, self.req_to_token_pool,
-                               self.allocator)
-        for req, toks in zip(reqs, tokens, strict=True):
-            req.kv_len += len(toks)
-        self.last_logprobs = [
+        accept_rows, kept_slots, rejected = split_accepted(accept_index, accept_length, verify_slots)
+        self.allocator.free(rejected)
+        tokens = [predicts[rows].tolist() for rows in accept_rows]
+        logprobs = [
             token_logprobs(req, out.logits[rows.to(self.device)], toks) if req.return_logprob else None
             for req, rows, toks in zip(reqs, accept_rows, tokens, strict=True)
         ]
-        self._extend_after_decode(reqs, kv_lens, tokens, kept, accept_rows, out)
-        self.stats["verify_steps"] += bs
-        self.stats["accepted_drafts"] += int(accept_length.sum())
-        self.stats["emitted_tokens"] += sum(len(t) for t in tokens)
-        self.accept_histogram.update(len(t) for t in tokens)
-        return tokens
+        return SpecStepResult(tokens, kept_slots, accept_length.tolist(), logprobs, kv_lens, accept_rows, out)

@@ -93,7 +93,3 @@ class SpecSchedule:
             if bound is None or batch_size <= bound:
                 return shape
         return SpecShape(0, 1, 1)  # past the last range: plain decoding
-
-    @property
-    def slots_per_request(self) -> int:
-        return max(1, *(shape.slots_per_request for _, shape in self.entries))

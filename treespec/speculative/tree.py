@@ -1,5 +1,5 @@
-"""The verify side of a speculative step: the draft tree as a TARGET_VERIFY batch, and keeping the KV
-of accepted nodes (page size 1: accepted nodes keep their verify slots, only req_to_token moves)."""
+"""The verify side of a speculative step: the draft tree as a TARGET_VERIFY batch, and the split of its
+KV slots into the accepted nodes' (handed to the Scheduler to commit) and the rest (freed)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import torch
 from treespec.attention.metadata import build_metadata
 from treespec.forward_batch import ForwardBatch, ForwardMode
 from treespec.kernels import build_tree
-from treespec.mem.allocator import TokenToKVPoolAllocator
-from treespec.mem.req_to_token import ReqToTokenPool
 
 
 @dataclass
@@ -35,18 +33,18 @@ def make_draft_tree(
     root_tokens: torch.Tensor, draft_tokens: torch.Tensor, parent_list: torch.Tensor,
     top_scores_index: torch.Tensor, kv_lens: list[int], topk: int, num_steps: int,
 ) -> DraftTree:
-    """Build the tree tensors (kernels.build_tree) from the reranked draft (tree.organize_draft_results)."""
-    bs, n = root_tokens.numel(), draft_tokens.shape[1] + 1
-    seq_lens = torch.tensor(kv_lens, dtype=torch.int64)
+    """Build the tree tensors (kernels.build_tree) from the reranked draft (expansion.organize_draft_results)."""
+    bs, n, device = root_tokens.numel(), draft_tokens.shape[1] + 1, draft_tokens.device
+    seq_lens = torch.tensor(kv_lens, dtype=torch.int64, device=device)
     mask, positions, r_index, r_next, r_sibling = build_tree(
         parent_list, top_scores_index, seq_lens, topk, num_steps, n, seq_lens_sum=sum(kv_lens))
-    ancestors = torch.empty(bs, n, n, dtype=torch.bool)
+    ancestors = torch.empty(bs, n, n, dtype=torch.bool, device=device)
     start = 0
     for b, kv_len in enumerate(kv_lens):
         block = mask[start : start + n * (kv_len + n)].view(n, kv_len + n)
         ancestors[b] = block[:, kv_len:]
         start += n * (kv_len + n)
-    candidates = torch.cat([root_tokens.view(bs, 1), draft_tokens], dim=1)
+    candidates = torch.cat([root_tokens.view(bs, 1).to(device), draft_tokens], dim=1)
     return DraftTree(candidates, positions, ancestors, r_index, r_next, r_sibling, num_steps)
 
 
@@ -69,7 +67,8 @@ def verify_batch(
     for b in range(bs):
         prefix = prefix_slots[b]
         kv_lists.append(torch.cat([prefix, verify_slots[b].to(prefix)]))
-        masks.append(torch.cat([torch.ones(n, prefix.numel(), dtype=torch.bool), tree.ancestors[b]], dim=1))
+        sees_prefix = torch.ones(n, prefix.numel(), dtype=torch.bool, device=tree.ancestors.device)
+        masks.append(torch.cat([sees_prefix, tree.ancestors[b]], dim=1))
     return ForwardBatch(
         mode=ForwardMode.TARGET_VERIFY, input_ids=tree.candidates.reshape(-1).to(device),
         positions=positions.to(device), out_cache_loc=verify_slots.reshape(-1).to(device),
@@ -78,19 +77,17 @@ def verify_batch(
     )
 
 
-def commit_accepted(
-    accept_rows: list[torch.Tensor], verify_slots: torch.Tensor, req_pool_indices: list[int],
-    kv_lens: list[int], req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator,
-) -> list[torch.Tensor]:
-    """Keep the target KV of each request's accepted rows (root first) at positions kv_len.. of its
-    req_to_token row and free every other verify slot. Returns the kept slots per request."""
+def split_accepted(accept_index: torch.Tensor, accept_length: torch.Tensor, verify_slots: torch.Tensor
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """Split a verified batch's slots: per request the accepted verify rows and their KV slots (root
+    first; page size 1, so accepted nodes keep the slots they were verified in), and every other slot.
+    accept_index [bs, D+1] (-1 padded), accept_length [bs], verify_slots [bs, n]."""
     flat = verify_slots.reshape(-1)
-    evict = torch.ones(flat.numel(), dtype=torch.bool)
-    kept = []
-    for rows, idx, kv_len in zip(accept_rows, req_pool_indices, kv_lens, strict=True):
-        slots = flat[rows]
-        req_to_token_pool.write(idx, kv_len, slots)
-        evict[rows] = False
-        kept.append(slots)
-    allocator.free(flat[evict])
-    return kept
+    rejected = torch.ones(flat.numel(), dtype=torch.bool)
+    rows, kept = [], []
+    for b, length in enumerate(accept_length.tolist()):
+        accepted = accept_index[b, : length + 1].cpu()
+        rows.append(accepted)
+        kept.append(flat[accepted])
+        rejected[accepted] = False
+    return rows, kept, flat[rejected]

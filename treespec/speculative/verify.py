@@ -25,35 +25,39 @@ def tree_penalized_logits(reqs: list[Req], logits: torch.Tensor, tree: DraftTree
     from the root (excluded: it is already counted) to the node (included)."""
     if not any(r.sampling_params.has_penalties for r in reqs):
         return logits
-    n, vocab = tree.num_nodes, logits.shape[-1]
+    n, vocab, device = tree.num_nodes, logits.shape[-1], logits.device
     rows = []
     for b, req in enumerate(reqs):
         params = req.sampling_params
         if not params.has_penalties:
             rows.extend([SimpleNamespace(sampling_params=params)] * n)
             continue
-        path = tree.ancestors[b, :, 1:].to(torch.float32)  # [n, n-1]
-        onehot = torch.zeros(n - 1, vocab)
-        onehot[torch.arange(n - 1), tree.candidates[b, 1:].cpu()] = 1.0
-        counts = req.output_counts + path @ onehot  # [n, V]
-        rows.extend(SimpleNamespace(sampling_params=params, output_counts=counts[t], prompt_mask=req.prompt_mask)
+        path = tree.ancestors[b, :, 1:].to(device, torch.float32)  # [n, n-1]
+        onehot = torch.zeros(n - 1, vocab, device=device)
+        onehot[torch.arange(n - 1, device=device), tree.candidates[b, 1:].to(device)] = 1.0
+        counts = req.output_counts.to(device) + path @ onehot  # [n, V]
+        prompt_mask = None if req.prompt_mask is None else req.prompt_mask.to(device)
+        rows.extend(SimpleNamespace(sampling_params=params, output_counts=counts[t], prompt_mask=prompt_mask)
                     for t in range(n))
     return penalized_logits(rows, logits)
 
 
 def verify_tree_mixed(reqs: list[Req], logits: torch.Tensor, tree: DraftTree
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (predicts [bs*n], accept_index [bs, D+1], accept_length [bs]) as the kernels define them."""
+    """Returns (predicts [bs*n], accept_index [bs, D+1], accept_length [bs]) as the kernels define them.
+    Runs where the logits are (the kernels dispatch to Triton on CUDA); only the per-request coins are
+    drawn on the host, from each request's own generator."""
     bs, n = tree.candidates.shape
-    logits = tree_penalized_logits(reqs, logits.float().cpu(), tree)
+    device = logits.device
+    logits = tree_penalized_logits(reqs, logits.float(), tree)
     args = (tree.candidates, tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling)
-    greedy = torch.tensor([r.sampling_params.greedy for r in reqs])
+    greedy = torch.tensor([r.sampling_params.greedy for r in reqs], device=device)
     if bool(greedy.all()):
         return verify_tree_greedy(*args, logits.argmax(-1).view(bs, n), tree.max_depth)
     sampled = [r for r in reqs if not r.sampling_params.greedy]
     rows = ~greedy.repeat_interleave(n)
     probs = torch.zeros_like(logits)
-    filters = [t.repeat_interleave(n) for t in sampling_tensors(sampled)]
+    filters = [t.to(device).repeat_interleave(n) for t in sampling_tensors(sampled)]
     probs[rows] = apply_sampling_filters(logits[rows], *filters)
     greedy_rows = greedy.repeat_interleave(n)
     if bool(greedy_rows.any()):
@@ -65,7 +69,8 @@ def verify_tree_mixed(reqs: list[Req], logits: torch.Tensor, tree: DraftTree
         if not req.sampling_params.greedy:
             draw = torch.rand(n + 1, generator=req.generator)
             coins[b], final_coins[b] = draw[:n], draw[n]
-    return tree_speculative_sampling_target_only(*args, coins, final_coins, probs, tree.max_depth)
+    return tree_speculative_sampling_target_only(*args, coins.to(device), final_coins.to(device), probs,
+                                                 tree.max_depth)
 
 
 def token_logprobs(req: Req, logits: torch.Tensor, tokens: list[int]) -> list[tuple[float, list]]:

@@ -16,6 +16,7 @@ from eagle_test_models import (
 )
 
 from treespec.engine import Engine
+from treespec.speculative.shapes import SpecSchedule, SpecShape
 
 CONFIGS = [(1, 1, 2), (3, 1, 4), (5, 4, 16), (6, 8, 48)]
 LOOKUP_NOISE = 0.07  # the target follows the lookup ~85% of the time
@@ -87,15 +88,14 @@ def test_lookup_target_departs_from_the_draft(model_dirs, references) -> None:
 @pytest.mark.parametrize("kind", ["random", "lookup"])
 def test_greedy_speculation_matches_plain_decoding(model_dirs, references, kind, algorithm, config) -> None:
     engine = spec_engine(model_dirs, kind, algorithm, config)
-    worker = engine.scheduler.spec_worker
     for batch_size in (1, 4):
         assert run_all(engine, batch_size) == references[kind], f"batch size {batch_size}"
-    accept = worker.avg_accept_length
+    accept = engine.get_stats()["avg_spec_accept_length"]
     if kind == "lookup" and config[0] >= 3:
         assert accept > 1.8, accept  # the agreeing head really gets long runs accepted
     if kind == "random":
         assert accept < 1.5, accept
-    assert worker.stats["shrunk_steps"] == 0
+    assert engine.get_stats()["spec_shrunk_steps"] == 0
 
 
 @pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
@@ -115,8 +115,8 @@ def test_chunked_prefill_stop_tokens_and_tight_pool(model_dirs, references, algo
     tight = spec_engine(model_dirs, "lookup", algorithm, (6, 8, 48), max_total_tokens=80, schedule_conservativeness=0.05)
     got = tight.generate(input_ids=PROMPTS[4:12], sampling_params=PARAMS[4:12])
     assert [g["output_ids"] for g in got] == ref[4:12]
-    stats = tight.scheduler.spec_worker.stats
-    assert stats["shrunk_steps"] > 0 and tight.scheduler.stats["num_retractions"] > 0
+    stats = tight.get_stats()
+    assert stats["spec_shrunk_steps"] > 0 and stats["num_retractions"] > 0
     tight.check_pool_balance()
 
 
@@ -124,7 +124,7 @@ def test_chunked_prefill_stop_tokens_and_tight_pool(model_dirs, references, algo
 def test_shrunk_step_shapes(model_dirs, references, shape, monkeypatch) -> None:
     """The shapes a short pool falls back to (a chain, or the root alone = a plain step) stay exact."""
     engine = spec_engine(model_dirs, "lookup", "EAGLE3", (5, 4, 16))
-    monkeypatch.setattr(engine.scheduler.spec_worker, "_step_shape", lambda bs: shape)
+    monkeypatch.setattr(engine.scheduler.spec_worker, "schedule", SpecSchedule([(None, SpecShape(*shape))]))
     got = engine.generate(input_ids=PROMPTS[:8], sampling_params=PARAMS[:8])
     assert [g["output_ids"] for g in got] == references["lookup"][:8]
     sampled = engine.generate(input_ids=PROMPTS[:2], sampling_params={"temperature": 0.8, "max_new_tokens": 6})
@@ -157,4 +157,4 @@ def test_eagle_token_map_drafts_only_hot_tokens_and_stays_exact(model_dirs, refe
     assert engine.scheduler.spec_worker.draft.model.head_weight.shape[0] == hot.numel()
     assert run_all(engine, batch_size=4) == references["lookup"]
     assert proposed and proposed <= set(hot.tolist())
-    assert engine.scheduler.spec_worker.avg_accept_length > 1.8
+    assert engine.get_stats()["avg_spec_accept_length"] > 1.8

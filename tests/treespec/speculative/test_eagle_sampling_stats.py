@@ -80,9 +80,11 @@ def test_speculative_sampling_matches_plain_distribution(model_dirs, setting) ->
     outs = engine.generate(input_ids=[PROMPT] * SAMPLES, sampling_params=sampling)
     tokens = torch.tensor([o["output_ids"] for o in outs])
     engine.check_pool_balance()
-    worker = engine.scheduler.spec_worker
-    stats = worker.stats  # drafts are accepted and rejected: both paths of the walk are exercised
-    assert 0.2 * stats["verify_steps"] < stats["accepted_drafts"] < 0.8 * stats["verify_steps"] * steps
+    # drafts are accepted and rejected: both paths of the walk are exercised (committed tokens beyond
+    # one per verify step are accepted drafts; the length limit cuts a few)
+    stats = engine.get_stats()
+    accepted = stats["spec_emitted_tokens"] - stats["spec_verify_ct"]
+    assert 0.2 * stats["spec_verify_ct"] < accepted < 0.8 * stats["spec_verify_ct"] * steps
 
     joint12, p3 = exact_distributions(model_dirs["target"], params)
     observed12 = torch.zeros(VOCAB, VOCAB).index_put_((tokens[:, 0], tokens[:, 1]), torch.ones(SAMPLES), accumulate=True)

@@ -42,7 +42,32 @@ def path_alone_logits(worker, prefix_slots: torch.Tensor, start_hidden: torch.Te
     return torch.stack(out_logits)
 
 
-def draft_one_step(engine: Engine, prompts: list[list[int]]) -> tuple[list, dict, dict]:
+def record_draft_steps(worker, rids: list[str], monkeypatch) -> list:
+    """Wrap the worker's draft tree steps so that each one records (rids, token path of every frontier
+    row [bs, k, s+1], the row's draft logits [bs, k, V]). Paths are read back from the scratch slots:
+    each step writes its rows' tokens at step_slots[-1], and a row's branch lists its ancestors' slots."""
+    records, pending, slot_token = [], [], {}
+    real_batch, real_forward = eagle_worker.draft_tree_step_batch, worker.draft.forward
+
+    def recording_batch(input_ids, hidden, positions, prefix_slots, step_slots, branch_slots, device):
+        slot_token.update(zip(step_slots[-1].reshape(-1).tolist(), input_ids.reshape(-1).tolist(), strict=True))
+        pending.append(torch.tensor([[[slot_token[s] for s in row] for row in req]
+                                     for req in branch_slots.tolist()]))
+        return real_batch(input_ids, hidden, positions, prefix_slots, step_slots, branch_slots, device)
+
+    def recording_forward(batch):
+        out = real_forward(batch)
+        if batch.mode == ForwardMode.DRAFT_DECODE:
+            paths = pending.pop()
+            records.append((rids, paths, out.logits.view(*paths.shape[:2], -1).cpu().clone()))
+        return out
+
+    monkeypatch.setattr(eagle_worker, "draft_tree_step_batch", recording_batch)
+    monkeypatch.setattr(worker.draft, "forward", recording_forward)
+    return records
+
+
+def draft_one_step(engine: Engine, prompts: list[list[int]], monkeypatch) -> tuple[list, dict, dict]:
     """Prefill the prompts, then run one speculative step recording the draft rows. Returns the
     records, each request's prefix slots and its draft state before the step."""
     sched = engine.scheduler
@@ -53,9 +78,10 @@ def draft_one_step(engine: Engine, prompts: list[list[int]]) -> tuple[list, dict
         sched.step()
     prefixes = {r.rid: sched.req_to_token_pool.read(r.req_pool_idx, 0, r.kv_len).clone() for r in reqs}
     states = {rid: (logits.clone(), hidden.clone()) for rid, (logits, hidden) in worker.draft_states.items()}
-    worker.record_draft, worker.draft_records = True, []
-    sched.step()
-    return worker.draft_records, prefixes, states
+    with monkeypatch.context() as patch:
+        records = record_draft_steps(worker, [r.rid for r in sched.running], patch)
+        sched.step()
+    return records, prefixes, states
 
 
 def check_records(engine: Engine, records, prefixes, states) -> tuple[int, float]:
@@ -64,7 +90,7 @@ def check_records(engine: Engine, records, prefixes, states) -> tuple[int, float
     grows its logits step by step)."""
     worker = engine.scheduler.spec_worker
     rows, worst = 0, 0.0
-    for rids, _kv_lens, paths, logits in records:  # one record per draft step
+    for rids, paths, logits in records:  # one record per draft step
         for b, rid in enumerate(rids):
             for r in range(paths.shape[1]):
                 path = paths[b, r].tolist()
@@ -76,11 +102,12 @@ def check_records(engine: Engine, records, prefixes, states) -> tuple[int, float
 
 
 @pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
-def test_tree_draft_logits_equal_path_alone(model_dirs, algorithm) -> None:
+def test_tree_draft_logits_equal_path_alone(model_dirs, algorithm, monkeypatch) -> None:
     engine = Engine(model_path=str(model_dirs["target"]), dtype="float32", max_total_tokens=2048,
                     speculative_algorithm=algorithm, speculative_draft_model_path=str(model_dirs[algorithm]),
                     speculative_num_steps=5, speculative_eagle_topk=4, speculative_num_draft_tokens=16)
-    records, prefixes, states = draft_one_step(engine, [[3, 14, 15, 92, 65, 35], [8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2]])
+    records, prefixes, states = draft_one_step(engine, [[3, 14, 15, 92, 65, 35], [8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2]],
+                                                  monkeypatch)
     assert len(records) == 4  # num_steps - 1 draft forwards
     rows, worst = check_records(engine, records, prefixes, states)
     assert rows == 4 * 2 * 4
@@ -100,6 +127,7 @@ def test_column_attention_would_be_caught(model_dirs, monkeypatch) -> None:
     engine = Engine(model_path=str(model_dirs["target"]), dtype="float32", max_total_tokens=2048,
                     speculative_algorithm="EAGLE3", speculative_draft_model_path=str(model_dirs["EAGLE3"]),
                     speculative_num_steps=5, speculative_eagle_topk=4, speculative_num_draft_tokens=16)
-    records, prefixes, states = draft_one_step(engine, [[3, 14, 15, 92, 65, 35], [8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2]])
+    records, prefixes, states = draft_one_step(engine, [[3, 14, 15, 92, 65, 35], [8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2]],
+                                                  monkeypatch)
     _, worst = check_records(engine, records, prefixes, states)
     assert worst > 1e-3

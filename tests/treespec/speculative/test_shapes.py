@@ -30,7 +30,7 @@ def test_shape_by_batch_size(tmp_path):
     assert sched.shape_for(1) == SpecShape(3, 2, 5)
     assert sched.shape_for(2) == SpecShape(2, 1, 3)
     assert sched.shape_for(3).num_steps == 0 and sched.shape_for(100).num_steps == 0
-    assert sched.slots_per_request == 5
+    assert sched.shape_for(1).slots_per_request == 5  # the larger of the 5-node verify and 2x2 draft scratch
 
 
 @pytest.mark.parametrize("bad", [
