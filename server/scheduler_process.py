@@ -1,8 +1,9 @@
 """The scheduler process: a ZMQ loop around treespec's Scheduler.
 
 Loop: drain incoming messages without blocking (block on the socket, with a timeout, only when idle),
-run one scheduler step when there is work, push new token ids to the detokenizer. Control requests
-(stats, flush_cache) are answered straight to the TokenizerManager.
+run one scheduler step when there is work, push the step's outputs (new token ids) to the detokenizer.
+A queued request's detokenization settings go to the detokenizer once, ahead of its outputs; a refused
+request and control replies (stats, flush_cache) go straight to the TokenizerManager.
 """
 
 from __future__ import annotations
@@ -17,17 +18,18 @@ from typing import Any
 import zmq
 
 from treespec.args import ServerArgs
-from treespec.request import RequestOutput
-from treespec.sampling_params import InvalidRequest, SamplingParams
+from treespec.request_output import RequestOutput
+from treespec.sampling_params import InvalidRequest
 from treespec.server.io_struct import (
     AbortReq,
-    BatchTokenOut,
+    BatchOutput,
     ControlReply,
     ControlReq,
+    DetokenizeSettings,
+    GenerateReq,
     IpcNames,
     MessageError,
-    TokenizedGenerateReq,
-    TokenOut,
+    ReqError,
     decode,
     encode,
 )
@@ -49,8 +51,6 @@ class SchedulerLoop:
         self.poller = zmq.Poller()
         self.poller.register(self.recv_sock, zmq.POLLIN)
         self.watch = ParentWatch()
-        # per-request detokenization settings, forwarded with every output
-        self.detok_params: dict[str, tuple[bool, bool, list[str]]] = {}
         self.num_aborted = 0
         self.spec_verify_ct = 0
         self.spec_tokens = 0
@@ -83,7 +83,7 @@ class SchedulerLoop:
                 logger.error("dropping a malformed message: %s", e)
 
     def handle(self, msg: Any) -> None:
-        if isinstance(msg, TokenizedGenerateReq):
+        if isinstance(msg, GenerateReq):
             self.add_request(msg)
         elif isinstance(msg, AbortReq):
             out = self.scheduler.abort_request(msg.rid)
@@ -95,36 +95,23 @@ class SchedulerLoop:
         else:
             logger.error("unexpected message %s", type(msg).__name__)
 
-    def add_request(self, msg: TokenizedGenerateReq) -> None:
+    def add_request(self, msg: GenerateReq) -> None:
+        """Queue a checked request as is. The Scheduler raising InvalidRequest all the same (a request
+        it can never run) answers the TokenizerManager with a ReqError rather than ending this loop."""
         try:
-            params = SamplingParams.from_dict(msg.sampling_params)
-            self.scheduler.add_request(msg.rid, msg.input_ids, params, msg.return_logprob,
+            self.scheduler.add_request(msg.rid, msg.input_ids, msg.sampling_params, msg.return_logprob,
                                        msg.top_logprobs_num, msg.logprob_start_len)
         except InvalidRequest as e:
-            reason = {"type": "abort", "message": str(e), "status_code": 400}
-            out = TokenOut(msg.rid, [], True, reason, {"id": msg.rid, "finish_reason": reason,
-                                                       "prompt_tokens": len(msg.input_ids),
-                                                       "completion_tokens": 0, "cached_tokens": 0})
-            self.to_detok.send(encode(BatchTokenOut([out])))
+            self.to_tokenizer.send(encode(ReqError(msg.rid, str(e), 400, e.param)))
             return
-        self.detok_params[msg.rid] = (params.skip_special_tokens, params.no_stop_trim, list(params.stop))
+        self.to_detok.send(encode(DetokenizeSettings.of(msg.rid, msg.sampling_params)))
 
     def send_outputs(self, outputs: list[RequestOutput]) -> None:
-        items = []
         for out in outputs:
-            skip, no_trim, stop = self.detok_params.get(out.rid, (True, False, []))
-            if out.finished:
-                self.detok_params.pop(out.rid, None)
-                if out.meta_info.get("spec_verify_ct"):
-                    self.spec_verify_ct += out.meta_info["spec_verify_ct"]
-                    self.spec_tokens += out.meta_info.get("completion_tokens", 0)
-            items.append(TokenOut(
-                rid=out.rid, new_token_ids=list(out.new_token_ids), finished=out.finished,
-                finish_reason=out.finish_reason, meta_info=out.meta_info, skip_special_tokens=skip,
-                no_stop_trim=no_trim, stop=stop, output_token_logprobs=out.output_token_logprobs,
-                output_top_logprobs=out.output_top_logprobs, input_token_logprobs=out.input_token_logprobs,
-            ))
-        self.to_detok.send(encode(BatchTokenOut(items)))
+            if out.finished and out.meta_info.get("spec_verify_ct"):
+                self.spec_verify_ct += out.meta_info["spec_verify_ct"]
+                self.spec_tokens += out.meta_info.get("completion_tokens", 0)
+        self.to_detok.send(encode(BatchOutput(outputs)))
 
     # ------------------------------------------------------------------ control and stats
     def control(self, msg: ControlReq) -> ControlReply:
@@ -182,8 +169,8 @@ def run_scheduler_process(args: ServerArgs, tokenizer_path: str, names: IpcNames
     setup_child("scheduler", args.log_level)
     ctx = zmq.Context()
     try:
-        from treespec.engine import load_tokenizer
         from treespec.scheduler import Scheduler
+        from treespec.tokenizer import load_tokenizer
 
         scheduler = Scheduler(args)
         scheduler.tokenizer = load_tokenizer(tokenizer_path)

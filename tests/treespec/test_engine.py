@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treespec.engine import Engine, chat_input_ids
+from treespec.engine import Engine
 from treespec.sampling_params import InvalidRequest
+from treespec.tokenizer import chat_input_ids
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
