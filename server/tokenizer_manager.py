@@ -2,8 +2,8 @@
 
 It checks and sends tokenized requests to the scheduler, receives outputs with their text deltas from
 the detokenizer, and refusals (ReqError) and control replies from the scheduler, and hands each
-request its outputs as Chunks through a per-request asyncio queue. A request whose client goes away (or whose consumer stops early) is aborted, which
-frees its KV in the scheduler.
+request its outputs as Chunks through a per-request asyncio queue. A request whose client goes away
+(or whose consumer stops early) is aborted, which frees its KV in the scheduler.
 """
 
 from __future__ import annotations
@@ -165,7 +165,8 @@ class TokenizerManager:
 
     async def generate(self, req: GenerateReq, request=None) -> AsyncIterator[Chunk]:
         """Send one (already validated) request and yield its outputs until it finishes. If the consumer
-        stops early (client gone, generator closed or cancelled) the request is aborted."""
+        stops early (client gone, generator closed or cancelled) the request is aborted. Each GenerateReq
+        is sent once (its rid names it until it finishes)."""
         self._check_alive()
         state = ReqState(last_check=asyncio.get_running_loop().time())
         self.rid_to_state[req.rid] = state
