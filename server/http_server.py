@@ -10,17 +10,21 @@ import os
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from starlette.responses import PlainTextResponse, Response
 
-from treespec.args import ServerArgs
+from treespec.sampling_params import SamplingParams
+from treespec.server.io_struct import GenerateReq
 from treespec.server.metrics import render_metrics
 from treespec.server.openai_api import OpenAIServing
-from treespec.server.protocol import ApiError, GenerateInput, ModelLimits, parse_generate, parse_json_body
+from treespec.server.protocol import ApiError, ModelLimits, parse_generate, parse_json_body
 from treespec.server.streaming import SSE_DONE, SSEResponse, gather_or_cancel, json_response, merge, sse
-from treespec.server.tokenizer_manager import TokenizerManager
+from treespec.server.tokenizer_manager import Chunk, TokenizerManager
+
+if TYPE_CHECKING:  # a type only: this process (HTTP) stays free of the model stack
+    from treespec.args import ServerArgs
 
 logger = logging.getLogger("treespec.http_server")
 
@@ -119,7 +123,7 @@ def create_app(state: ServerState, tm: TokenizerManager) -> FastAPI:
         if state.problem():
             return json_response({"status": "unhealthy", "reason": state.problem()}, 503)
         ids = tm.tokenizer.encode("Hi", add_special_tokens=False) or [0]
-        gen = GenerateInput(ids, {"max_new_tokens": 1, "temperature": 0})
+        gen = GenerateReq(ids, SamplingParams(max_new_tokens=1, temperature=0))
         try:
             await asyncio.wait_for(tm.generate_full(gen, request), HEALTH_GENERATE_TIMEOUT_S)
         except (TimeoutError, ApiError) as e:
@@ -196,11 +200,38 @@ def create_app(state: ServerState, tm: TokenizerManager) -> FastAPI:
     return app
 
 
-async def _generate_stream(tm: TokenizerManager, inputs: list[GenerateInput], single: bool, request: Request):
-    """SGLang-native stream: each event carries the cumulative text and output ids so far."""
+@dataclass
+class _StreamedOutput:
+    """One request of a native /generate stream, whose events carry everything so far (SGLang's form)."""
+
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    top_logprobs: list = field(default_factory=list)
+    input_logprobs: list | None = None
+
+    def event(self, c: Chunk) -> dict[str, Any]:
+        if c.finished:  # the exact final text, all ids and logprobs
+            return {"text": c.text, "output_ids": c.output_ids, "meta_info": c.meta_info}
+        self.text += c.delta
+        self.output_ids += c.new_ids
+        self.logprobs += c.new_logprobs
+        self.top_logprobs += c.new_top_logprobs
+        if c.new_input_logprobs is not None:
+            self.input_logprobs = c.new_input_logprobs
+        meta = c.meta_info
+        if self.logprobs or self.input_logprobs is not None:
+            meta = {**meta, "output_token_logprobs": self.logprobs, "output_top_logprobs": self.top_logprobs,
+                    "input_token_logprobs": self.input_logprobs or []}
+        return {"text": self.text, "output_ids": self.output_ids, "meta_info": meta}
+
+
+async def _generate_stream(tm: TokenizerManager, inputs: list[GenerateReq], single: bool, request: Request):
+    """SGLang-native stream: each event carries the text and output ids so far."""
+    streamed = [_StreamedOutput() for _ in inputs]
     try:
         async for i, c in merge([tm.generate(g, request) for g in inputs]):
-            out = {"text": c.text, "output_ids": c.output_ids, "meta_info": c.meta_info}
+            out = streamed[i].event(c)
             if not single:
                 out["index"] = i
             yield sse(out)

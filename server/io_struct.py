@@ -1,38 +1,79 @@
 """Messages between the three server processes, and their wire format.
 
-Every message is a small dataclass. On the wire it is JSON (orjson) of `{"t": <class name>, "d": <fields>}`;
-`decode` rebuilds the dataclass and refuses unknown type tags, so nothing is ever unpickled.
+Every message is a small frozen dataclass. On the wire it is JSON (orjson) of `{"t": <class name>,
+"d": <fields>}`; `decode` rebuilds the dataclass (and the dataclasses nested in it, see `_NESTED`) and
+refuses unknown type tags, so nothing is ever unpickled.
 
-Flow: TokenizerManager --TokenizedGenerateReq / AbortReq / ControlReq--> scheduler
-      scheduler --BatchTokenOut--> detokenizer --BatchTextOut--> TokenizerManager
-      scheduler --ControlReply--> TokenizerManager
+Flow of one request:
+  TokenizerManager --GenerateReq--> scheduler            (validated; SamplingParams resolved once)
+  scheduler --DetokenizeSettings--> detokenizer          (once, when the scheduler queues the request)
+  scheduler --BatchOutput(RequestOutput, new tokens)--> detokenizer --BatchOutput(+ text)--> TokenizerManager
+  scheduler --ReqError--> TokenizerManager               (a request the scheduler refused)
+Control: TokenizerManager --AbortReq / ControlReq--> scheduler --ControlReply--> TokenizerManager
 """
 
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
+from treespec.request_output import RequestOutput
+from treespec.sampling_params import InvalidRequest, SamplingParams
 
-@dataclass
-class TokenizedGenerateReq:
-    rid: str
+
+def _new_rid() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class GenerateReq:
+    """One tokenized, checked request (the TokenizerManager checks it before sending)."""
+
     input_ids: list[int]
-    sampling_params: dict[str, Any]  # SGLang field names, already validated by the TokenizerManager
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
+    rid: str = field(default_factory=_new_rid)
 
 
-@dataclass
+@dataclass(frozen=True)
+class DetokenizeSettings:
+    """How the detokenizer turns one request's tokens into text; sent once per request."""
+
+    rid: str
+    stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))  # a list after the JSON round trip
+
+    @classmethod
+    def of(cls, rid: str, params: SamplingParams) -> DetokenizeSettings:
+        return cls(rid, params.stop, params.skip_special_tokens, params.no_stop_trim)
+
+
+@dataclass(frozen=True)
+class ReqError:
+    """A request the scheduler refused; the TokenizerManager raises it as an HTTP error."""
+
+    rid: str
+    message: str
+    status: int = 400
+    param: str | None = None
+
+
+@dataclass(frozen=True)
 class AbortReq:
     rid: str
 
 
-@dataclass
+@dataclass(frozen=True)
 class ControlReq:
     """A request that the scheduler answers with a ControlReply carrying the same req_id."""
 
@@ -40,7 +81,7 @@ class ControlReq:
     kind: str  # "get_stats" | "flush_cache"
 
 
-@dataclass
+@dataclass(frozen=True)
 class ControlReply:
     req_id: str
     kind: str
@@ -48,55 +89,22 @@ class ControlReply:
     data: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class TokenOut:
-    """New token ids of one request since its last output, plus what the detokenizer needs."""
+@dataclass(frozen=True)
+class BatchOutput:
+    """The outputs of one scheduler step; the detokenizer forwards them with their text filled in."""
 
-    rid: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: dict[str, Any] | None
-    meta_info: dict[str, Any]
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    stop: list[str] = field(default_factory=list)
-    output_token_logprobs: list | None = None
-    output_top_logprobs: list | None = None
-    input_token_logprobs: list | None = None
-
-
-@dataclass
-class BatchTokenOut:
-    items: list[TokenOut]
-
-
-@dataclass
-class TextOut:
-    """Text delta of one request; `text` is the whole final text, set on the finishing output only."""
-
-    rid: str
-    delta: str
-    new_token_ids: list[int]
-    finished: bool
-    meta_info: dict[str, Any]
-    text: str | None = None
-    output_token_logprobs: list | None = None
-    output_top_logprobs: list | None = None
-    input_token_logprobs: list | None = None
-
-
-@dataclass
-class BatchTextOut:
-    items: list[TextOut]
+    items: list[RequestOutput]
 
 
 _TYPES: dict[str, type] = {
     cls.__name__: cls
-    for cls in (TokenizedGenerateReq, AbortReq, ControlReq, ControlReply, TokenOut, BatchTokenOut,
-                TextOut, BatchTextOut)
+    for cls in (GenerateReq, DetokenizeSettings, ReqError, AbortReq, ControlReq, ControlReply, BatchOutput)
 }
-# fields holding lists of nested messages
-_NESTED: dict[type, tuple[str, type]] = {BatchTokenOut: ("items", TokenOut), BatchTextOut: ("items", TextOut)}
+# fields holding a nested dataclass (or, in a list, several): field name -> class
+_NESTED: dict[type, dict[str, type]] = {
+    GenerateReq: {"sampling_params": SamplingParams},
+    BatchOutput: {"items": RequestOutput},
+}
 
 
 class MessageError(ValueError):
@@ -110,12 +118,14 @@ def encode(msg: Any) -> bytes:
 
 
 def _build(cls: type, data: dict[str, Any]) -> Any:
+    if not isinstance(data, dict):
+        raise TypeError(f"{cls.__name__} must be an object")
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {k: v for k, v in data.items() if k in names}
-    nested = _NESTED.get(cls)
-    if nested is not None:
-        key, item_cls = nested
-        kwargs[key] = [_build(item_cls, x) for x in kwargs.get(key, [])]
+    for key, item_cls in _NESTED.get(cls, {}).items():
+        if key in kwargs:
+            value = kwargs[key]
+            kwargs[key] = [_build(item_cls, x) for x in value] if isinstance(value, list) else _build(item_cls, value)
     return cls(**kwargs)
 
 
@@ -124,11 +134,11 @@ def decode(raw: bytes) -> Any:
         obj = orjson.loads(raw)
         cls = _TYPES[obj["t"]]
         return _build(cls, obj["d"])
-    except (orjson.JSONDecodeError, KeyError, TypeError) as e:
+    except (orjson.JSONDecodeError, KeyError, TypeError, InvalidRequest) as e:
         raise MessageError(f"malformed IPC message: {e}") from e
 
 
-@dataclass
+@dataclass(frozen=True)
 class IpcNames:
     """Addresses of the three PULL sockets (one per receiving process) in a private directory."""
 

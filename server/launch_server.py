@@ -214,12 +214,12 @@ def launch_server(args: ServerArgs) -> int:
 def _serve(launcher: Launcher, args: ServerArgs) -> int:
     import uvicorn
 
-    from treespec.engine import load_tokenizer
     from treespec.model_loader import ModelPathError, resolve_model_path
+    from treespec.request_checks import ModelLimits
     from treespec.server.http_server import ServerState, create_app
     from treespec.server.io_struct import IpcNames
-    from treespec.server.protocol import ModelLimits
     from treespec.server.tokenizer_manager import TokenizerManager
+    from treespec.tokenizer import load_tokenizer
 
     _check_port_free(args.host, args.port)
     try:

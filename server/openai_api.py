@@ -10,7 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from treespec.engine import chat_input_ids
+from treespec.server.io_struct import GenerateReq
 from treespec.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -21,9 +21,10 @@ from treespec.server.openai_protocol import (
     sampling_dicts,
     usage_dict,
 )
-from treespec.server.protocol import ApiError, GenerateInput, is_int
+from treespec.server.protocol import ApiError, is_int, parse_sampling_params
 from treespec.server.streaming import SSE_DONE, SSEResponse, gather_or_cancel, json_response, merge, sse
 from treespec.server.tokenizer_manager import Chunk, TokenizerManager
+from treespec.tokenizer import chat_input_ids
 
 
 class OpenAIServing:
@@ -75,9 +76,10 @@ class OpenAIServing:
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise ApiError("top_logprobs must be in [0, 20]", param="top_logprobs")
         sps = sampling_dicts(req, max_tokens if max_tokens is not None else self._default_max_tokens(len(ids)))
-        gens = [GenerateInput(ids, sp, req.logprobs, req.top_logprobs or 0) for sp in sps]
+        gens = [GenerateReq(ids, parse_sampling_params(sp, openai=True), req.logprobs, req.top_logprobs or 0)
+                for sp in sps]
         for g in gens:
-            self.tm.validate(g, param=None)
+            self.tm.validate(g)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             return SSEResponse(self._chat_stream(req, gens, request, rid, created))
@@ -96,7 +98,7 @@ class OpenAIServing:
         return json_response({"id": rid, "object": "chat.completion", "created": created,
                               "model": self.model_name, "choices": choices, "usage": usage})
 
-    async def _chat_stream(self, req: ChatCompletionRequest, gens: list[GenerateInput], request: Request,
+    async def _chat_stream(self, req: ChatCompletionRequest, gens: list[GenerateReq], request: Request,
                            rid: str, created: int) -> AsyncIterator[bytes]:
         def chunk(choices: list, usage: Any = None) -> bytes:
             obj = {"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -150,9 +152,10 @@ class OpenAIServing:
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         sps = sampling_dicts(req, max_tokens)
         want_lp = req.logprobs is not None
-        gens = [GenerateInput(ids, sp, want_lp, req.logprobs or 0) for ids in id_lists for sp in sps]
+        params = [parse_sampling_params(sp, openai=True) for sp in sps]
+        gens = [GenerateReq(ids, p, want_lp, req.logprobs or 0) for ids in id_lists for p in params]
         for g in gens:
-            self.tm.validate(g, param=None)
+            self.tm.validate(g)
         echoes = [self.tm.tokenizer.decode(ids) if req.echo else "" for ids in id_lists]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
@@ -177,7 +180,7 @@ class OpenAIServing:
                           sum(c.meta_info["completion_tokens"] for c in results),
                           sum(m.get("cached_tokens", 0) for m in firsts))
 
-    async def _completion_stream(self, req: CompletionRequest, gens: list[GenerateInput], echoes: list[str],
+    async def _completion_stream(self, req: CompletionRequest, gens: list[GenerateReq], echoes: list[str],
                                  request: Request, rid: str, created: int) -> AsyncIterator[bytes]:
         def chunk(choices: list, usage: Any = None) -> bytes:
             obj = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
@@ -187,11 +190,13 @@ class OpenAIServing:
             return sse(obj)
 
         offsets = {i: len(echoes[i // req.n]) for i in range(len(gens))}
+        echoed: set[int] = set()  # choices whose echoed prompt went out with their first chunk
         finals: dict[int, Chunk] = {}
         try:
             async for i, c in merge([self.tm.generate(g, request) for g in gens]):
                 text = c.delta
-                if echoes[i // req.n] and offsets[i] == len(echoes[i // req.n]) and len(c.output_ids) == len(c.new_ids):
+                if i not in echoed:
+                    echoed.add(i)
                     text = echoes[i // req.n] + text
                 lp = None
                 if req.logprobs is not None and c.new_logprobs:

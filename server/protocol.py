@@ -6,12 +6,18 @@ Every error a user can cause becomes an `ApiError`, answered as OpenAI-style
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
+from treespec.request_checks import ModelLimits, check_request
 from treespec.sampling_params import InvalidRequest, SamplingParams
+from treespec.server.io_struct import GenerateReq
+
+__all__ = ["ApiError", "ModelLimits", "check_input", "parse_generate", "parse_json_body", "parse_sampling_params"]
+
+# SGLang field names -> the OpenAI request fields they come from
+OPENAI_PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
 
 class ApiError(Exception):
@@ -22,26 +28,6 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-@dataclass
-class ModelLimits:
-    """What the scheduler reported after loading the model; used to reject requests up front."""
-
-    context_len: int
-    max_total_num_tokens: int
-    vocab_size: int
-
-
-@dataclass
-class GenerateInput:
-    """One tokenized generation request, as the TokenizerManager sends it to the scheduler."""
-
-    input_ids: list[int]
-    sampling_params: dict[str, Any] = field(default_factory=dict)
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -65,38 +51,34 @@ def check_type(value: Any, ok: bool, param: str, expected: str) -> None:
         raise ApiError(f"{param} must be {expected}, got {type(value).__name__}", param=param)
 
 
-def validate_input(gen: GenerateInput, limits: ModelLimits, param: str = "sampling_params") -> None:
-    """The checks the scheduler would make, done here so that a bad request never leaves this process."""
+def parse_sampling_params(d: dict[str, Any], openai: bool = False) -> SamplingParams:
+    """The resolved SamplingParams of one request; an error names the field as the route's caller
+    wrote it (`sampling_params.top_p` on /generate, `max_tokens` on the OpenAI routes)."""
     try:
-        params = SamplingParams.from_dict(gen.sampling_params)
+        return SamplingParams.from_dict(d)
     except (InvalidRequest, TypeError) as e:
+        field = getattr(e, "param", None)
+        if openai:
+            param = OPENAI_PARAM_NAMES.get(field, field)
+        else:
+            param = f"sampling_params.{field}" if field else "sampling_params"
         raise ApiError(str(e), param=param) from None
-    n = len(gen.input_ids)
-    if n == 0:
-        raise ApiError("the prompt is empty", param="prompt")
-    if any(not is_int(t) or t < 0 or t >= limits.vocab_size for t in gen.input_ids):
-        raise ApiError(f"token ids must be integers in [0, {limits.vocab_size})", param="input_ids")
-    if n >= limits.context_len:
-        raise ApiError(f"the prompt has {n} tokens; the model's context length is {limits.context_len}",
-                       param="prompt", code="context_length_exceeded")
-    need = n + params.max_new_tokens
-    if need > limits.context_len:
-        raise ApiError(f"the prompt ({n} tokens) plus max_new_tokens ({params.max_new_tokens}) exceeds the "
-                       f"context length {limits.context_len}", param="max_tokens", code="context_length_exceeded")
-    if need > limits.max_total_num_tokens:
-        raise ApiError(f"the prompt ({n} tokens) plus max_new_tokens ({params.max_new_tokens}) needs more KV "
-                       f"slots than the server has ({limits.max_total_num_tokens})", param="max_tokens")
-    if not is_int(gen.top_logprobs_num) or not 0 <= gen.top_logprobs_num <= 20:
-        raise ApiError("top_logprobs_num must be an integer in [0, 20]", param="top_logprobs_num")
-    if not is_int(gen.logprob_start_len):
-        raise ApiError("logprob_start_len must be an integer", param="logprob_start_len")
+
+
+def check_input(req: GenerateReq, limits: ModelLimits) -> None:
+    """treespec.request_checks.check_request, answered as an ApiError: a bad request never leaves the
+    HTTP process."""
+    try:
+        check_request(req.input_ids, req.sampling_params, limits, req.top_logprobs_num, req.logprob_start_len)
+    except InvalidRequest as e:
+        raise ApiError(str(e), param=e.param, code=e.code) from None
 
 
 def _as_list(x: Any, single: bool) -> list:
     return [x] if single else list(x)
 
 
-def parse_generate(body: dict[str, Any], tokenizer) -> tuple[list[GenerateInput], bool, bool]:
+def parse_generate(body: dict[str, Any], tokenizer) -> tuple[list[GenerateReq], bool, bool]:
     """The SGLang-native /generate body -> (inputs, single, stream)."""
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
@@ -137,6 +119,7 @@ def parse_generate(body: dict[str, Any], tokenizer) -> tuple[list[GenerateInput]
         n = p.pop("n", 1)
         if not is_int(n) or not 1 <= n <= 16:
             raise ApiError("sampling_params.n must be an integer in [1, 16]", param="sampling_params")
-        inputs += [GenerateInput(list(ids), dict(p), return_logprob, top_n, start) for _ in range(n)]
+        params = parse_sampling_params(p)
+        inputs += [GenerateReq(list(ids), params, return_logprob, top_n, start) for _ in range(n)]
     # SGLang: n > 1 turns a single prompt into a list of results
     return inputs, single and len(inputs) == 1, stream

@@ -1,8 +1,9 @@
 """The scheduler process: a ZMQ loop around treespec's Scheduler.
 
 Loop: drain incoming messages without blocking (block on the socket, with a timeout, only when idle),
-run one scheduler step when there is work, push new token ids to the detokenizer. Control requests
-(stats, flush_cache) are answered straight to the TokenizerManager.
+run one scheduler step when there is work, push the step's outputs (new token ids) to the detokenizer.
+A queued request's detokenization settings go to the detokenizer once, ahead of its outputs; a refused
+request and control replies (stats, flush_cache) go straight to the TokenizerManager.
 """
 
 from __future__ import annotations
@@ -17,17 +18,18 @@ from typing import Any
 import zmq
 
 from treespec.args import ServerArgs
-from treespec.request import RequestOutput
-from treespec.sampling_params import InvalidRequest, SamplingParams
+from treespec.request_output import RequestOutput
+from treespec.sampling_params import InvalidRequest
 from treespec.server.io_struct import (
     AbortReq,
-    BatchTokenOut,
+    BatchOutput,
     ControlReply,
     ControlReq,
+    DetokenizeSettings,
+    GenerateReq,
     IpcNames,
     MessageError,
-    TokenizedGenerateReq,
-    TokenOut,
+    ReqError,
     decode,
     encode,
 )
@@ -49,11 +51,7 @@ class SchedulerLoop:
         self.poller = zmq.Poller()
         self.poller.register(self.recv_sock, zmq.POLLIN)
         self.watch = ParentWatch()
-        # per-request detokenization settings, forwarded with every output
-        self.detok_params: dict[str, tuple[bool, bool, list[str]]] = {}
         self.num_aborted = 0
-        self.spec_verify_ct = 0
-        self.spec_tokens = 0
         self.samples: deque[tuple[float, int]] = deque()
         self.last_log = time.monotonic()
 
@@ -83,7 +81,7 @@ class SchedulerLoop:
                 logger.error("dropping a malformed message: %s", e)
 
     def handle(self, msg: Any) -> None:
-        if isinstance(msg, TokenizedGenerateReq):
+        if isinstance(msg, GenerateReq):
             self.add_request(msg)
         elif isinstance(msg, AbortReq):
             out = self.scheduler.abort_request(msg.rid)
@@ -95,36 +93,19 @@ class SchedulerLoop:
         else:
             logger.error("unexpected message %s", type(msg).__name__)
 
-    def add_request(self, msg: TokenizedGenerateReq) -> None:
+    def add_request(self, msg: GenerateReq) -> None:
+        """Queue a checked request as is. The Scheduler raising InvalidRequest all the same (a request
+        it can never run) answers the TokenizerManager with a ReqError rather than ending this loop."""
         try:
-            params = SamplingParams.from_dict(msg.sampling_params)
-            self.scheduler.add_request(msg.rid, msg.input_ids, params, msg.return_logprob,
+            self.scheduler.add_request(msg.rid, msg.input_ids, msg.sampling_params, msg.return_logprob,
                                        msg.top_logprobs_num, msg.logprob_start_len)
         except InvalidRequest as e:
-            reason = {"type": "abort", "message": str(e), "status_code": 400}
-            out = TokenOut(msg.rid, [], True, reason, {"id": msg.rid, "finish_reason": reason,
-                                                       "prompt_tokens": len(msg.input_ids),
-                                                       "completion_tokens": 0, "cached_tokens": 0})
-            self.to_detok.send(encode(BatchTokenOut([out])))
+            self.to_tokenizer.send(encode(ReqError(msg.rid, str(e), 400, e.param)))
             return
-        self.detok_params[msg.rid] = (params.skip_special_tokens, params.no_stop_trim, list(params.stop))
+        self.to_detok.send(encode(DetokenizeSettings.of(msg.rid, msg.sampling_params)))
 
     def send_outputs(self, outputs: list[RequestOutput]) -> None:
-        items = []
-        for out in outputs:
-            skip, no_trim, stop = self.detok_params.get(out.rid, (True, False, []))
-            if out.finished:
-                self.detok_params.pop(out.rid, None)
-                if out.meta_info.get("spec_verify_ct"):
-                    self.spec_verify_ct += out.meta_info["spec_verify_ct"]
-                    self.spec_tokens += out.meta_info.get("completion_tokens", 0)
-            items.append(TokenOut(
-                rid=out.rid, new_token_ids=list(out.new_token_ids), finished=out.finished,
-                finish_reason=out.finish_reason, meta_info=out.meta_info, skip_special_tokens=skip,
-                no_stop_trim=no_trim, stop=stop, output_token_logprobs=out.output_token_logprobs,
-                output_top_logprobs=out.output_top_logprobs, input_token_logprobs=out.input_token_logprobs,
-            ))
-        self.to_detok.send(encode(BatchTokenOut(items)))
+        self.to_detok.send(encode(BatchOutput(outputs)))
 
     # ------------------------------------------------------------------ control and stats
     def control(self, msg: ControlReq) -> ControlReply:
@@ -151,8 +132,8 @@ class SchedulerLoop:
         line = (f"running {st['num_running_reqs']}, waiting {st['num_waiting_reqs']}, "
                 f"token usage {st['token_usage']:.2f}, cache hit rate {st['cache_hit_rate']:.2f}, "
                 f"gen throughput {(g1 - g0) / (t1 - t0) if t1 > t0 else 0.0:.1f} tok/s")
-        if self.spec_verify_ct:
-            line += f", accept len {self.spec_tokens / self.spec_verify_ct:.2f}"
+        if st["spec_verify_ct"]:  # the Scheduler's accept counter, the only one
+            line += f", accept len {st['avg_spec_accept_length']:.2f}"
         logger.info(line)
 
     def stats(self) -> dict[str, Any]:
@@ -170,9 +151,6 @@ class SchedulerLoop:
         stats["gen_throughput"] = (g1 - g0) / (t1 - t0) if t1 > t0 else 0.0
         stats["num_aborted_reqs"] = self.num_aborted
         stats["kv_pool_balanced"] = balanced
-        if "avg_spec_accept_length" not in stats:
-            stats["avg_spec_accept_length"] = (self.spec_tokens / self.spec_verify_ct
-                                               if self.spec_verify_ct else None)
         stats["uptime_s"] = time.time() - self.scheduler.start_time
         return stats
 
@@ -182,8 +160,8 @@ def run_scheduler_process(args: ServerArgs, tokenizer_path: str, names: IpcNames
     setup_child("scheduler", args.log_level)
     ctx = zmq.Context()
     try:
-        from treespec.engine import load_tokenizer
         from treespec.scheduler import Scheduler
+        from treespec.tokenizer import load_tokenizer
 
         scheduler = Scheduler(args)
         scheduler.tokenizer = load_tokenizer(tokenizer_path)

@@ -1,9 +1,9 @@
 """TokenizerManager: lives in the HTTP process, on uvicorn's event loop.
 
-It validates and sends tokenized requests to the scheduler, receives text deltas from the detokenizer
-and control replies from the scheduler, and hands each request its outputs through a per-request
-asyncio queue. A request whose client goes away (or whose consumer stops early) is aborted, which
-frees its KV in the scheduler.
+It checks and sends tokenized requests to the scheduler, receives outputs with their text deltas from
+the detokenizer, and refusals (ReqError) and control replies from the scheduler, and hands each
+request its outputs as Chunks through a per-request asyncio queue. A request whose client goes away
+(or whose consumer stops early) is aborted, which frees its KV in the scheduler.
 """
 
 from __future__ import annotations
@@ -18,20 +18,21 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from treespec.request_output import RequestOutput
 from treespec.server.io_struct import (
     AbortReq,
-    BatchTextOut,
+    BatchOutput,
     ControlReply,
     ControlReq,
+    GenerateReq,
     IpcNames,
     MessageError,
-    TextOut,
-    TokenizedGenerateReq,
+    ReqError,
     decode,
     encode,
 )
 from treespec.server.proc_util import make_socket
-from treespec.server.protocol import ApiError, GenerateInput, ModelLimits, validate_input
+from treespec.server.protocol import ApiError, ModelLimits, check_input
 
 logger = logging.getLogger("treespec.tokenizer_manager")
 
@@ -39,46 +40,51 @@ DISCONNECT_CHECK_S = 1.0
 CONTROL_TIMEOUT_S = 30.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class Chunk:
-    """One output step of one request, with what has accumulated so far."""
+    """One output step of one request: what is new since the previous chunk. The finishing chunk also
+    carries the whole result: the exact final text, all output ids, and meta_info with all logprobs."""
 
     delta: str
     new_ids: list[int]
     new_logprobs: list
     new_top_logprobs: list
     finished: bool
-    text: str  # cumulative (the exact final text once finished)
-    output_ids: list[int]
     meta_info: dict[str, Any]
+    new_input_logprobs: list | None = None  # on the first chunk of a request that asked for logprobs
+    text: str | None = None  # finishing chunk only
+    output_ids: list[int] | None = None  # finishing chunk only
 
 
 @dataclass
 class ReqState:
+    """What the finishing chunk needs, accumulated in place (chunks never copy it)."""
+
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    text: str = ""
     output_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     top_logprobs: list = field(default_factory=list)
     input_logprobs: list | None = None
     last_check: float = 0.0  # loop time of the last client-disconnect check
 
-    def update(self, out: TextOut) -> Chunk:
-        self.text = out.text if out.text is not None else self.text + out.delta
-        self.output_ids.extend(out.new_token_ids)
+    def update(self, out: RequestOutput) -> Chunk:
         new_lp = out.output_token_logprobs or []
         new_top = out.output_top_logprobs or []
+        self.output_ids.extend(out.new_token_ids)
         self.logprobs.extend(new_lp)
         self.top_logprobs.extend(new_top)
         if out.input_token_logprobs is not None:
             self.input_logprobs = out.input_token_logprobs
+        if not out.finished:
+            return Chunk(out.text_delta, out.new_token_ids, new_lp, new_top, False, out.meta_info,
+                         out.input_token_logprobs)
         meta = dict(out.meta_info)
         if self.logprobs or self.input_logprobs is not None:
             meta["output_token_logprobs"] = self.logprobs
             meta["output_top_logprobs"] = self.top_logprobs
             meta["input_token_logprobs"] = self.input_logprobs or []
-        return Chunk(out.delta, list(out.new_token_ids), new_lp, new_top, out.finished, self.text,
-                     list(self.output_ids), meta)
+        return Chunk(out.text_delta, out.new_token_ids, new_lp, new_top, True, meta, out.input_token_logprobs,
+                     out.text or "", self.output_ids)
 
 
 class TokenizerManager:
@@ -120,11 +126,15 @@ class TokenizerManager:
             except MessageError as e:
                 logger.error("dropping a malformed message: %s", e)
                 continue
-            if isinstance(msg, BatchTextOut):
+            if isinstance(msg, BatchOutput):
                 for item in msg.items:
                     state = self.rid_to_state.get(item.rid)
                     if state is not None:
                         state.queue.put_nowait(item)
+            elif isinstance(msg, ReqError):
+                state = self.rid_to_state.get(msg.rid)
+                if state is not None:
+                    state.queue.put_nowait(ApiError(msg.message, status=msg.status, param=msg.param))
             elif isinstance(msg, ControlReply):
                 fut = self.pending_controls.pop(msg.req_id, None)
                 if fut is not None and not fut.done():
@@ -150,46 +160,42 @@ class TokenizerManager:
             raise ApiError(f"the server is unhealthy: {self.dead_reason}", status=503, type="server_error")
 
     # ------------------------------------------------------------------ requests
-    def validate(self, gen: GenerateInput, param: str = "sampling_params") -> None:
-        validate_input(gen, self.limits, param)
+    def validate(self, req: GenerateReq) -> None:
+        check_input(req, self.limits)
 
-    async def generate(self, gen: GenerateInput, request=None) -> AsyncIterator[Chunk]:
+    async def generate(self, req: GenerateReq, request=None) -> AsyncIterator[Chunk]:
         """Send one (already validated) request and yield its outputs until it finishes. If the consumer
-        stops early (client gone, generator closed or cancelled) the request is aborted."""
+        stops early (client gone, generator closed or cancelled) the request is aborted. Each GenerateReq
+        is sent once (its rid names it until it finishes)."""
         self._check_alive()
-        rid = uuid.uuid4().hex
         state = ReqState(last_check=asyncio.get_running_loop().time())
-        self.rid_to_state[rid] = state
-        self._send(TokenizedGenerateReq(rid, gen.input_ids, gen.sampling_params, gen.return_logprob,
-                                        gen.top_logprobs_num, gen.logprob_start_len))
+        self.rid_to_state[req.rid] = state
+        self._send(req)
         finished = False
         try:
             while True:
                 item = await self._next(state, request)
                 if item is None:  # client disconnected
                     return
-                if isinstance(item, ApiError):
-                    raise item
-                reason = item.meta_info.get("finish_reason") or {}
-                if item.finished and reason.get("status_code"):
+                if isinstance(item, ApiError):  # refused by the scheduler, or a dead child process
                     finished = True
-                    raise ApiError(reason.get("message", "invalid request"), status=reason["status_code"])
+                    raise item
                 chunk = state.update(item)
                 finished = item.finished
                 yield chunk
                 if finished:
                     return
         finally:
-            self.rid_to_state.pop(rid, None)
+            self.rid_to_state.pop(req.rid, None)
             if not finished:
                 self.num_client_aborts += 1
                 if self.dead_reason is None:
                     try:
-                        self._send(AbortReq(rid))
+                        self._send(AbortReq(req.rid))
                     except zmq.ZMQError:  # shutting down: the scheduler goes away too
                         pass
 
-    async def _next(self, state: ReqState, request) -> TextOut | ApiError | None:
+    async def _next(self, state: ReqState, request) -> RequestOutput | ApiError | None:
         """The next output, or None once the client is gone (checked about once a second, whether or
         not outputs keep coming)."""
         loop = asyncio.get_running_loop()
@@ -203,9 +209,10 @@ class TokenizerManager:
             except TimeoutError:
                 continue
 
-    async def generate_full(self, gen: GenerateInput, request=None) -> Chunk:
+    async def generate_full(self, req: GenerateReq, request=None) -> Chunk:
+        """The finishing chunk (whole text, all output ids)."""
         last = None
-        async for chunk in self.generate(gen, request):
+        async for chunk in self.generate(req, request):
             last = chunk
         if last is None:
             raise ApiError("the client disconnected", status=499)

@@ -5,26 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from transformers import AutoTokenizer
-
 from treespec.args import ServerArgs
 from treespec.request import new_rid
+from treespec.request_checks import ModelLimits, check_request
 from treespec.sampling_params import InvalidRequest, SamplingParams
 from treespec.scheduler import Scheduler
+from treespec.stop_strings import finish_text
+from treespec.tokenizer import chat_input_ids, load_tokenizer
 
-
-def load_tokenizer(path):
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-def finish_text(tokenizer, output_ids: list[int], params: SamplingParams, finish_reason: dict | None) -> str:
-    """Detokenize a finished output; a matched stop string and what follows it are trimmed."""
-    text = tokenizer.decode(output_ids, skip_special_tokens=params.skip_special_tokens)
-    if finish_reason and isinstance(finish_reason.get("matched"), str) and not params.no_stop_trim:
-        cut = text.find(finish_reason["matched"])
-        if cut >= 0:
-            text = text[:cut]
-    return text
+__all__ = ["Engine", "chat_input_ids"]  # chat_input_ids: re-exported for older callers (training, benchmarks)
 
 
 class Engine:
@@ -37,6 +26,8 @@ class Engine:
         self.scheduler = Scheduler(self.server_args)
         self.tokenizer = load_tokenizer(self.server_args.tokenizer_path or self.scheduler.model_dir)
         self.scheduler.tokenizer = self.tokenizer
+        self.limits = ModelLimits(self.scheduler.context_len, self.scheduler.allocator.size,
+                                  self.scheduler.vocab_size)
 
     def generate(
         self,
@@ -56,25 +47,22 @@ class Engine:
             id_lists = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         else:
             if len(input_ids) == 0:
-                raise InvalidRequest("the prompt is empty")
+                raise InvalidRequest("the prompt is empty", param="input_ids")
             single = isinstance(input_ids[0], int)
             id_lists = [list(input_ids)] if single else [list(x) for x in input_ids]
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(id_lists):
-                raise InvalidRequest("sampling_params list must match the number of prompts")
+                raise InvalidRequest("sampling_params list must match the number of prompts", param="sampling_params")
             params = [SamplingParams.from_dict(p) for p in sampling_params]
         else:
             params = [SamplingParams.from_dict(sampling_params)] * len(id_lists)
+        for ids, p in zip(id_lists, params, strict=True):
+            check_request(ids, p, self.limits, top_logprobs_num, logprob_start_len)
         rids = []
-        try:
-            for ids, p in zip(id_lists, params, strict=True):
-                rid = new_rid()
-                self.scheduler.add_request(rid, ids, p, return_logprob, top_logprobs_num, logprob_start_len)
-                rids.append(rid)
-        except InvalidRequest:
-            for rid in rids:
-                self.scheduler.abort_request(rid)
-            raise
+        for ids, p in zip(id_lists, params, strict=True):
+            rid = new_rid()
+            self.scheduler.add_request(rid, ids, p, return_logprob, top_logprobs_num, logprob_start_len)
+            rids.append(rid)
         results = self._run_until_done(rids)
         outs = [self._format(results[rid], p) for rid, p in zip(rids, params, strict=True)]
         return outs[0] if single else outs
@@ -122,11 +110,3 @@ class Engine:
 
     def shutdown(self) -> None:
         self.scheduler = None
-
-
-def chat_input_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a chat through the model's chat template (transformers may return an encoding)."""
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-    if not isinstance(out, list):
-        out = out["input_ids"]
-    return list(out)

@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from treespec.request_output import RequestOutput
 from treespec.sampling_params import SamplingParams
+from treespec.stop_strings import find_stop_in_tail
 
 _EMPTY = torch.zeros(0, dtype=torch.int64)
 _rid_counter = itertools.count()
@@ -15,20 +17,6 @@ _rid_counter = itertools.count()
 
 def new_rid() -> str:
     return f"req-{next(_rid_counter)}"
-
-
-@dataclass
-class RequestOutput:
-    """What one scheduler step produced for one request (new tokens since the last output)."""
-
-    rid: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: dict | None
-    meta_info: dict
-    output_token_logprobs: list[tuple[float, int]] | None = None
-    output_top_logprobs: list[list[tuple[float, int]]] | None = None
-    input_token_logprobs: list[tuple[float | None, int]] | None = None
 
 
 @dataclass
@@ -98,12 +86,10 @@ class Req:
             if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
                 self.finished_reason = {"type": "stop", "matched": token}
                 return True
-            if params.stop and tokenizer is not None:
-                tail = tokenizer.decode(self.output_ids[-(_max_stop_tokens(params.stop)) :])
-                for s in params.stop:
-                    if s in tail:
-                        self.finished_reason = {"type": "stop", "matched": s}
-                        return True
+            matched = find_stop_in_tail(tokenizer, self.output_ids, params.stop) if tokenizer is not None else None
+            if matched is not None:
+                self.finished_reason = {"type": "stop", "matched": matched}
+                return True
         if n >= params.max_new_tokens:
             self.finished_reason = {"type": "length", "length": n}
             return True
@@ -125,16 +111,11 @@ class Req:
     def take_output(self) -> RequestOutput:
         new = self.output_ids[self.sent_len :]
         self.sent_len = len(self.output_ids)
-        out = RequestOutput(self.rid, new, self.finished, self.finished_reason, self.meta_info())
+        lps = tops = input_lps = None
         if self.return_logprob:
-            out.output_token_logprobs = self.output_token_logprobs[self.sent_logprob_len :]
-            out.output_top_logprobs = self.output_top_logprobs[self.sent_logprob_len :]
+            lps = self.output_token_logprobs[self.sent_logprob_len :]
+            tops = self.output_top_logprobs[self.sent_logprob_len :]
             if self.sent_logprob_len == 0 and self.input_token_logprobs:
-                out.input_token_logprobs = self.input_token_logprobs
+                input_lps = self.input_token_logprobs
             self.sent_logprob_len = len(self.output_token_logprobs)
-        return out
-
-
-def _max_stop_tokens(stops: list[str]) -> int:
-    # A stop string of c characters spans at most c tokens (+1 for a token straddling its start).
-    return max(len(s) for s in stops) + 1
+        return RequestOutput(self.rid, new, self.finished, self.finished_reason, self.meta_info(), lps, tops, input_lps)

@@ -1,19 +1,36 @@
 """Sampling parameters (SGLang field names) and their validation. Torch-free: the HTTP and detokenizer
-processes import it."""
+processes import it.
+
+A SamplingParams is frozen and valid by construction: `__post_init__` turns list fields into tuples and
+checks every field, so whatever holds one (the request message, the scheduler's Req) never re-checks it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 GREEDY_TEMPERATURE = 1e-6  # below this a temperature means argmax
 
 
 class InvalidRequest(ValueError):
-    """A request a user got wrong; servers answer it with HTTP 400."""
+    """A request a user got wrong; servers answer it with HTTP 400 naming `param`."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
-@dataclass
+def _is_num(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 128
     temperature: float = 1.0
@@ -24,57 +41,65 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_new_tokens: int = 0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     seed: int | None = None
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> SamplingParams:
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
+        """From a user's dict: a single stop string or stop token id becomes a tuple, None means the default."""
+        if d is not None and not isinstance(d, dict):
+            raise InvalidRequest("sampling parameters must be an object")
         d = dict(d or {})
-        names = {f.name for f in dataclasses.fields(cls)}
         if "sampling_seed" in d:
             d["seed"] = d.pop("sampling_seed")
+        names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - names
         if unknown:
             raise InvalidRequest(f"unknown sampling parameter(s): {sorted(unknown)}")
         if isinstance(d.get("stop"), str):
-            d["stop"] = [d["stop"]]
-        if d.get("stop") is None:
-            d["stop"] = []
-        if isinstance(d.get("stop_token_ids"), int):
-            d["stop_token_ids"] = [d["stop_token_ids"]]
-        if d.get("stop_token_ids") is None:
-            d["stop_token_ids"] = []
-        params = cls(**{k: v for k, v in d.items() if v is not None or k == "seed"})
-        params.validate()
-        return params
+            d["stop"] = (d["stop"],)
+        if _is_int(d.get("stop_token_ids")):
+            d["stop_token_ids"] = (d["stop_token_ids"],)
+        return cls(**{k: v for k, v in d.items() if v is not None})
 
-    def validate(self) -> None:
-        def check(ok: bool, msg: str) -> None:
+    def __post_init__(self) -> None:
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+        self._validate()
+
+    def _validate(self) -> None:
+        def check(ok: bool, param: str, msg: str) -> None:
             if not ok:
-                raise InvalidRequest(msg)
+                raise InvalidRequest(msg, param=param)
 
-        def is_num(x) -> bool:
-            return isinstance(x, int | float) and not isinstance(x, bool)
-
-        def is_int(x) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
-
-        check(is_int(self.max_new_tokens) and self.max_new_tokens >= 1, f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        check(is_num(self.temperature) and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}")
-        check(is_num(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        check(is_int(self.top_k) and (self.top_k >= 1 or self.top_k in (-1, 0)), f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
-        check(is_num(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
-        check(is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
-        check(is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
-        check(is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 2, f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
-        check(is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens, f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens!r}")
-        check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop), "stop must be a non-empty string or a list of non-empty strings")
-        check(isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be a list of token ids")
-        check(self.seed is None or is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens",
+              f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        check(_is_num(self.temperature) and self.temperature >= 0, "temperature",
+              f"temperature must be >= 0, got {self.temperature!r}")
+        check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+        check(_is_int(self.top_k) and (self.top_k >= 1 or self.top_k in (-1, 0)), "top_k",
+              f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
+        check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            check(_is_num(value) and -2 <= value <= 2, name, f"{name} must be in [-2, 2], got {value!r}")
+        check(_is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 2, "repetition_penalty",
+              f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        check(_is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
+              f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens!r}")
+        check(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop), "stop",
+              "stop must be a non-empty string or a list of non-empty strings")
+        check(isinstance(self.stop_token_ids, tuple) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+              "stop_token_ids", "stop_token_ids must be a list of token ids")
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+            check(isinstance(getattr(self, name), bool), name, f"{name} must be a boolean")
+        check(self.seed is None or _is_int(self.seed), "seed", f"seed must be an integer, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -27,7 +27,7 @@ from treespec.model_loader import resolve_model_path
 from treespec.model_runner import ModelRunner
 from treespec.request import Req, RequestOutput
 from treespec.sampling import sample_next_tokens
-from treespec.sampling_params import InvalidRequest, SamplingParams
+from treespec.sampling_params import SamplingParams
 from treespec.speculative.shapes import SpecShape
 
 logger = logging.getLogger(__name__)
@@ -96,25 +96,8 @@ class Scheduler:
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
     ) -> Req:
-        """Queue a tokenized request; raises InvalidRequest for requests that can never run."""
-        if not input_ids:
-            raise InvalidRequest("the prompt is empty")
-        if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in input_ids):
-            raise InvalidRequest(f"input_ids must be token ids in [0, {self.vocab_size})")
-        max_len = len(input_ids) + sampling_params.max_new_tokens
-        if len(input_ids) >= self.context_len:
-            raise InvalidRequest(
-                f"the prompt has {len(input_ids)} tokens, the context length is {self.context_len}"
-            )
-        if max_len > self.context_len:
-            raise InvalidRequest(
-                f"prompt ({len(input_ids)} tokens) + max_new_tokens ({sampling_params.max_new_tokens}) "
-                f"exceeds the context length {self.context_len}"
-            )
-        if max_len > self.allocator.size:
-            raise InvalidRequest(f"request needs up to {max_len} KV slots, the pool has {self.allocator.size}")
-        if top_logprobs_num < 0:
-            raise InvalidRequest("top_logprobs_num must be >= 0")
+        """Queue a tokenized request. The caller has checked it (treespec.request_checks.check_request:
+        the Engine and the TokenizerManager do); `sampling_params` is valid by construction."""
         req = Req(rid, list(input_ids), sampling_params, return_logprob, top_logprobs_num,
                   logprob_start_len, eos_token_ids=self.eos_token_ids)
         self._seed_counter += 1

@@ -5,7 +5,8 @@ never holds a model). Reads {"engine": {...ServerArgs kwargs}, "requests": [{"te
 import json
 import sys
 
-from treespec.engine import Engine, chat_input_ids
+from treespec.engine import Engine
+from treespec.tokenizer import chat_input_ids
 
 
 def main() -> None:

@@ -130,6 +130,16 @@ def test_generate_stream_and_logprobs(client, reference):
     assert all(len(top) == 2 for top in meta["output_top_logprobs"])
     assert all(lp <= 0 for lp, _ in meta["output_token_logprobs"])
     assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"]
+    # streamed with logprobs: every event carries the ids and logprobs so far, which only grow
+    with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        events = sse_events(r.iter_lines())[:-1]
+    for prev, e in zip(events, events[1:], strict=False):
+        assert e["output_ids"][: len(prev["output_ids"])] == prev["output_ids"]
+    for e in events:
+        assert [t for _, t in e["meta_info"]["output_token_logprobs"]] == e["output_ids"]
+        assert len(e["meta_info"]["input_token_logprobs"]) == meta["prompt_tokens"]
+    assert [t for _, t in events[-1]["meta_info"]["output_token_logprobs"]] == \
+        [t for _, t in meta["output_token_logprobs"]]
     # a batch stream tags events with the prompt index; sampling_params.n runs n requests per prompt
     body = {"text": PROMPTS[:2], "stream": True, "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
     with client.stream("POST", "/generate", json=body) as r:

@@ -2,11 +2,13 @@
 
 import pytest
 
-from treespec.engine import finish_text, load_tokenizer
 from treespec.model_loader import resolve_model_path
+from treespec.request_output import RequestOutput
 from treespec.sampling_params import SamplingParams
-from treespec.server.detokenizer import IncrementalDetokenizer, process_batch, stop_holdback
-from treespec.server.io_struct import BatchTokenOut, TokenOut
+from treespec.server.detokenizer import IncrementalDetokenizer
+from treespec.server.io_struct import DetokenizeSettings
+from treespec.stop_strings import finish_text
+from treespec.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -17,12 +19,12 @@ def tokenizer():
 def stream(tokenizer, text, stops=(), no_stop_trim=False, finish_reason=None, chunk=1):
     ids = tokenizer.encode(text, add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer)
+    detok.start(DetokenizeSettings("r", tuple(stops), True, no_stop_trim))
     deltas = []
     for i in range(0, len(ids), chunk):
-        detok.step("r", ids[i : i + chunk], True)
-        deltas.append(detok.delta("r", list(stops), no_stop_trim))
-    params = SamplingParams(stop=list(stops), no_stop_trim=no_stop_trim)
-    last, full = detok.finish("r", params, finish_reason)
+        detok.step("r", ids[i : i + chunk])
+        deltas.append(detok.delta("r"))
+    last, full = detok.finish("r", finish_reason)
     return ids, deltas + [last], full
 
 
@@ -40,11 +42,12 @@ def test_multibyte_character_is_held_back_until_complete(tokenizer):
     ids = tokenizer.encode("🤖", add_special_tokens=False)
     assert len(ids) > 1, "the emoji should span several byte-level tokens"
     detok = IncrementalDetokenizer(tokenizer)
+    detok.start(DetokenizeSettings("r"))
     for tid in ids[:-1]:
-        detok.step("r", [tid], True)
-        assert detok.delta("r", [], False) == ""
-    detok.step("r", ids[-1:], True)
-    assert detok.delta("r", [], False) == "🤖"
+        detok.step("r", [tid])
+        assert detok.delta("r") == ""
+    detok.step("r", ids[-1:])
+    assert detok.delta("r") == "🤖"
 
 
 def test_stop_string_never_streamed_and_trimmed(tokenizer):
@@ -54,7 +57,7 @@ def test_stop_string_never_streamed_and_trimmed(tokenizer):
     assert full == "The answer is 42. "
     assert "".join(deltas) == full
     assert all("E" not in d for d in deltas)
-    assert full == finish_text(tokenizer, ids, SamplingParams(stop=["END"]), reason)
+    assert full == finish_text(tokenizer, ids, SamplingParams(stop=("END",)), reason)
 
 
 def test_no_stop_trim_keeps_the_stop_string(tokenizer):
@@ -63,18 +66,19 @@ def test_no_stop_trim_keeps_the_stop_string(tokenizer):
     assert full == "abc END" == "".join(deltas)
 
 
-def test_stop_holdback():
-    assert stop_holdback("hello wor", ["world"]) == 3
-    assert stop_holdback("hello", ["xyz"]) == 0
-    assert stop_holdback("ab", ["abc", "b"]) == 2
-    assert stop_holdback("", ["abc"]) == 0
-
-
-def test_process_batch_forwards_meta_and_clears_state(tokenizer):
-    ids = tokenizer.encode("Hi there", add_special_tokens=False)
+def test_settings_are_kept_per_request_until_it_finishes(tokenizer):
+    """Settings arrive once; later outputs carry token ids only. skip_special_tokens=False keeps <|im_end|>."""
+    eos = tokenizer.eos_token_id
     detok = IncrementalDetokenizer(tokenizer)
-    meta = {"id": "r", "completion_tokens": len(ids)}
-    out = process_batch(detok, BatchTokenOut([TokenOut("r", ids, True, {"type": "length", "length": 2}, meta)]))
-    (item,) = out.items
-    assert item.text == "Hi there" and item.delta == "Hi there" and item.meta_info == meta
+    detok.start(DetokenizeSettings("keep", (), skip_special_tokens=False))
+    detok.start(DetokenizeSettings("skip", (), skip_special_tokens=True))
+    ids = tokenizer.encode("Hi there", add_special_tokens=False)
+    outs = {}
+    for rid in ("keep", "skip"):
+        first = detok.add_text(RequestOutput(rid, ids, False, None, {"id": rid}))
+        last = detok.add_text(RequestOutput(rid, [eos], True, {"type": "stop", "matched": eos}, {"id": rid}))
+        outs[rid] = (first, last)
+    assert outs["skip"][0].text_delta == "Hi there" and outs["skip"][1].text == "Hi there"
+    assert outs["keep"][1].text == "Hi there<|im_end|>"
+    assert outs["keep"][1].meta_info == {"id": "keep"} and outs["keep"][1].new_token_ids == [eos]
     assert detok.states == {}

@@ -2,6 +2,9 @@
 
 import pytest
 
+from treespec.request_checks import ModelLimits
+from treespec.sampling_params import SamplingParams
+from treespec.server.io_struct import GenerateReq
 from treespec.server.metrics import render_metrics
 from treespec.server.openai_protocol import (
     ChatCompletionRequest,
@@ -12,11 +15,10 @@ from treespec.server.openai_protocol import (
 )
 from treespec.server.protocol import (
     ApiError,
-    GenerateInput,
-    ModelLimits,
+    check_input,
     parse_generate,
     parse_json_body,
-    validate_input,
+    parse_sampling_params,
 )
 
 LIMITS = ModelLimits(context_len=100, max_total_num_tokens=80, vocab_size=1000)
@@ -37,9 +39,12 @@ def test_bad_json_bodies(raw):
 def test_parse_generate_forms():
     tok = FakeTokenizer()
     inputs, single, stream = parse_generate({"text": "ab", "sampling_params": {"max_new_tokens": 3}}, tok)
-    assert single and not stream and inputs[0].input_ids == [97, 98] and inputs[0].sampling_params["max_new_tokens"] == 3
+    assert single and not stream and inputs[0].input_ids == [97, 98] and inputs[0].sampling_params.max_new_tokens == 3
     inputs, single, _ = parse_generate({"text": ["a", "b"], "sampling_params": [{}, {"temperature": 0}]}, tok)
-    assert not single and len(inputs) == 2 and inputs[1].sampling_params == {"temperature": 0}
+    assert not single and len(inputs) == 2 and inputs[1].sampling_params == SamplingParams(temperature=0)
+    inputs, single, _ = parse_generate({"text": "a", "sampling_params": {"n": 2, "stop": "x"}}, tok)
+    assert not single and len(inputs) == 2 and inputs[0].rid != inputs[1].rid
+    assert inputs[0].sampling_params.stop == ("x",)
     inputs, single, _ = parse_generate({"input_ids": [[1, 2], [3]], "stream": True, "return_logprob": True}, tok)
     assert not single and inputs[1].input_ids == [3] and inputs[0].return_logprob
     inputs, single, _ = parse_generate({"input_ids": [5, 6]}, tok)
@@ -64,26 +69,56 @@ def test_parse_generate_errors(body, param):
     assert e.value.param == param and e.value.status == 400
 
 
-@pytest.mark.parametrize("gen,needle", [
-    (GenerateInput([], {}), "empty"),
-    (GenerateInput([1, 5000], {}), "token ids"),
-    (GenerateInput(list(range(100)), {"max_new_tokens": 1}), "context length"),
-    (GenerateInput([1] * 50, {"max_new_tokens": 60}), "context length"),
-    (GenerateInput([1] * 50, {"max_new_tokens": 40}), "KV slots"),
-    (GenerateInput([1], {"max_new_tokens": 0}), "max_new_tokens"),
-    (GenerateInput([1], {"temperature": -1}), "temperature"),
-    (GenerateInput([1], {"top_p": 1.5}), "top_p"),
-    (GenerateInput([1], {"bogus": 1}), "unknown"),
-    (GenerateInput([1], {"max_new_tokens": 4}, top_logprobs_num=-1), "top_logprobs_num"),
+@pytest.mark.parametrize("body,param,needle", [
+    ({"text": "a", "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens", "max_new_tokens"),
+    ({"text": "a", "sampling_params": {"temperature": -1}}, "sampling_params.temperature", "temperature"),
+    ({"text": "a", "sampling_params": {"top_p": 1.5}}, "sampling_params.top_p", "top_p"),
+    ({"text": "a", "sampling_params": {"stop": [""]}}, "sampling_params.stop", "stop"),
+    ({"text": "a", "sampling_params": {"ignore_eos": "yes"}}, "sampling_params.ignore_eos", "ignore_eos"),
+    ({"text": "a", "sampling_params": {"bogus": 1}}, "sampling_params", "unknown"),
+    ({"text": "a", "sampling_params": {"n": 0}}, "sampling_params", "n must"),
 ])
-def test_validate_input_errors(gen, needle):
+def test_sampling_params_errors_name_the_field(body, param, needle):
     with pytest.raises(ApiError) as e:
-        validate_input(gen, LIMITS)
-    assert needle in e.value.message
+        parse_generate(body, FakeTokenizer())
+    assert e.value.param == param and needle in e.value.message and e.value.status == 400
 
 
-def test_validate_input_accepts_a_good_request():
-    validate_input(GenerateInput([1, 2, 3], {"max_new_tokens": 10, "temperature": 0.5}), LIMITS)
+def test_openai_sampling_params_errors_use_openai_names():
+    with pytest.raises(ApiError) as e:
+        parse_sampling_params({"max_new_tokens": 5, "min_new_tokens": 9}, openai=True)
+    assert e.value.param == "min_tokens"
+    with pytest.raises(ApiError) as e:
+        parse_sampling_params({"top_k": -7}, openai=True)
+    assert e.value.param == "top_k"
+
+
+@pytest.mark.parametrize("req,param,needle", [
+    (GenerateReq([]), "prompt", "empty"),
+    (GenerateReq([1, 5000]), "input_ids", "token ids"),
+    (GenerateReq(list(range(100)), SamplingParams(max_new_tokens=1)), "prompt", "context length"),
+    (GenerateReq([1] * 50, SamplingParams(max_new_tokens=60)), "max_tokens", "context length"),
+    (GenerateReq([1] * 50, SamplingParams(max_new_tokens=40)), "max_tokens", "KV slots"),
+    (GenerateReq([1], SamplingParams(max_new_tokens=4), top_logprobs_num=-1), "top_logprobs_num", "top_logprobs_num"),
+    (GenerateReq([1], SamplingParams(max_new_tokens=4), top_logprobs_num=21), "top_logprobs_num", "top_logprobs_num"),
+])
+def test_check_input_errors(req, param, needle):
+    with pytest.raises(ApiError) as e:
+        check_input(req, LIMITS)
+    assert needle in e.value.message and e.value.param == param and e.value.status == 400
+
+
+def test_check_input_accepts_a_good_request():
+    check_input(GenerateReq([1, 2, 3], SamplingParams(max_new_tokens=10, temperature=0.5)), LIMITS)
+
+
+def test_sampling_params_are_frozen_and_valid_by_construction():
+    params = SamplingParams.from_dict({"stop": ["a", "b"], "stop_token_ids": 3, "sampling_seed": 5})
+    assert params.stop == ("a", "b") and params.stop_token_ids == (3,) and params.seed == 5
+    with pytest.raises(AttributeError):
+        params.temperature = 0  # frozen
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
 
 
 @pytest.mark.parametrize("body,param", [

@@ -7,15 +7,17 @@ import time
 import pytest
 import zmq
 
-from treespec.request import RequestOutput
-from treespec.sampling_params import InvalidRequest
+from treespec.request_output import RequestOutput
+from treespec.sampling_params import InvalidRequest, SamplingParams
 from treespec.server.io_struct import (
     AbortReq,
-    BatchTokenOut,
+    BatchOutput,
     ControlReply,
     ControlReq,
+    DetokenizeSettings,
+    GenerateReq,
     IpcNames,
-    TokenizedGenerateReq,
+    ReqError,
     decode,
     encode,
 )
@@ -32,8 +34,9 @@ class FakeScheduler:
         self.start_time = time.time()
 
     def add_request(self, rid, input_ids, params, *args) -> None:
-        if not input_ids:
-            raise InvalidRequest("the prompt is empty")
+        assert isinstance(params, SamplingParams)  # the message's own object, not rebuilt from a dict
+        if not input_ids:  # the Scheduler's contract: InvalidRequest for a request it can never run
+            raise InvalidRequest("the prompt is empty", param="prompt")
         self.reqs[rid] = [params.max_new_tokens, 0]
 
     def abort_request(self, rid):
@@ -103,20 +106,21 @@ def recv(sock, timeout_ms: int = 10000):
 
 def test_generate_abort_reject_and_control(rig):
     loop, to_sched, detok, tok = rig
-    to_sched.send(encode(TokenizedGenerateReq("a", [1, 2], {"max_new_tokens": 2, "stop": ["x"]})))
+    to_sched.send(encode(GenerateReq([1, 2], SamplingParams(max_new_tokens=2, stop=("x",)), rid="a")))
     pump(delivered(loop), 3)
-    first, second = recv(detok), recv(detok)
-    assert isinstance(first, BatchTokenOut) and first.items[0].new_token_ids == [7]
-    assert first.items[0].stop == ["x"] and not first.items[0].finished
+    settings, first, second = recv(detok), recv(detok), recv(detok)
+    assert settings == DetokenizeSettings("a", ("x",), True, False)  # once, ahead of the outputs
+    assert isinstance(first, BatchOutput) and first.items[0].new_token_ids == [7] and not first.items[0].finished
     assert second.items[0].finished and second.items[0].finish_reason["type"] == "length"
-    # a request the scheduler refuses comes back finished with a 400 status
-    to_sched.send(encode(TokenizedGenerateReq("bad", [], {})))
+    # a request the scheduler refuses: a ReqError to the TokenizerManager, nothing to the detokenizer
+    to_sched.send(encode(GenerateReq([], rid="bad")))
     pump(delivered(loop), 1)
-    item = recv(detok).items[0]
-    assert item.finished and item.finish_reason["status_code"] == 400 and "empty" in item.finish_reason["message"]
+    assert recv(tok) == ReqError("bad", "the prompt is empty", 400, "prompt")
+    assert not detok.poll(100)
     # abort while running: b runs exactly two steps, then the abort is read before a third
-    to_sched.send(encode(TokenizedGenerateReq("b", [1], {"max_new_tokens": 100})))
+    to_sched.send(encode(GenerateReq([1], SamplingParams(max_new_tokens=100), rid="b")))
     pump(delivered(loop), 2)
+    assert isinstance(recv(detok), DetokenizeSettings)
     to_sched.send(encode(AbortReq("b")))
     pump(delivered(loop), 1)
     items = []

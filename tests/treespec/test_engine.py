@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treespec.engine import Engine, chat_input_ids
+from treespec.engine import Engine
 from treespec.sampling_params import InvalidRequest
+from treespec.tokenizer import chat_input_ids
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -169,12 +170,17 @@ def test_invalid_sampling_params(engine, bad):
 
 
 def test_invalid_prompts(engine):
+    """The same checks (treespec.request_checks) as the server's, naming the field."""
     with pytest.raises(InvalidRequest):
         engine.generate(input_ids=[], sampling_params={})
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(InvalidRequest) as e:
         engine.generate(input_ids=[10**9], sampling_params={})
-    with pytest.raises(InvalidRequest, match="context length"):
+    assert e.value.param == "input_ids"
+    with pytest.raises(InvalidRequest, match="context length") as e:
         engine.generate(input_ids=[5] * 100, sampling_params={"max_new_tokens": 10**6})
+    assert e.value.param == "max_tokens"
+    with pytest.raises(InvalidRequest):  # a bad request in a batch queues none of the batch
+        engine.generate(input_ids=[[5, 6], [10**9]], sampling_params={})
     assert not engine.scheduler.has_work()
 
 

@@ -164,10 +164,10 @@ class RuntimeEndpoint(Backend):
     def tokenizer(self) -> Any:  # the server's tokenizer (for chat templates and select), loaded on first use
         with self._tok_lock:
             if self._tokenizer is None:
-                from transformers import AutoTokenizer
+                from treespec.tokenizer import load_tokenizer  # the server's own wrapper: identical text
 
                 info = self.get_model_info()
-                self._tokenizer = AutoTokenizer.from_pretrained(info.get("tokenizer_path") or info["model_path"])
+                self._tokenizer = load_tokenizer(info.get("tokenizer_path") or info["model_path"])
         return self._tokenizer
 
     def get_model_info(self) -> dict:
