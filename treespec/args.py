@@ -37,12 +37,14 @@ def _check(ok: bool, flag: str, msg: str) -> None:
 
 @dataclass(frozen=True)
 class ServerArgs:
+    """The flags as given ("auto" where not); resolve() gives the ResolvedArgs the engine runs with."""
+
     # model
     model_path: str | None = None  # None = the embedded default (SmolLM2-135M-Instruct)
     tokenizer_path: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
     context_length: int | None = None
     # memory and scheduling
     max_total_tokens: int | None = None  # KV pool size in tokens
@@ -154,7 +156,8 @@ class ServerArgs:
         _check(bool(draft_path), "--speculative-draft-model-path",
                f"is required with --speculative-algorithm {algo} (a head is shipped only for the default model)")
         return {"speculative_algorithm": algo, "speculative_draft_model_path": draft_path,
-                "speculative_num_steps": steps, "speculative_eagle_topk": topk, "speculative_num_draft_tokens": ndraft,
+                "speculative_num_steps": steps, "speculative_eagle_topk": topk,
+                "speculative_num_draft_tokens": ndraft,
                 "speculative_config": schedule_path, "speculative_token_map": token_map}
 
     @classmethod

@@ -185,15 +185,16 @@ def test_speculative_token_map_flag(tmp_path, monkeypatch):
     args = ServerArgs(speculative_algorithm="EAGLE")
     assert args.resolve().speculative_token_map == str(head / "token_map.pt")
     assert args.speculative_token_map is None  # the given flag is left as given
-    assert ServerArgs(speculative_algorithm="EAGLE", speculative_token_map="none").resolve().speculative_token_map is None
+    resolved = ServerArgs(speculative_algorithm="EAGLE", speculative_token_map="none").resolve()
+    assert resolved.speculative_token_map is None
     mine = tmp_path / "mine.pt"
     mine.write_bytes(b"")
     resolved = ServerArgs(speculative_algorithm="EAGLE", speculative_token_map=str(mine)).resolve()
     assert resolved.speculative_token_map == str(mine)
     with pytest.raises(ArgError, match="^--speculative-token-map.*EAGLE only"):
         ServerArgs(speculative_algorithm="EAGLE3", speculative_token_map=str(mine)).resolve()
-    # asks for nothing: fine
-    assert ServerArgs(speculative_algorithm="EAGLE3", speculative_token_map="none").resolve().speculative_token_map is None
+    resolved = ServerArgs(speculative_algorithm="EAGLE3", speculative_token_map="none").resolve()  # asks for nothing
+    assert resolved.speculative_token_map is None
     with pytest.raises(ArgError, match="^--speculative-token-map.*is not a file"):
         ServerArgs(speculative_algorithm="EAGLE", speculative_token_map=str(tmp_path / "nope.pt")).resolve()
     ServerArgs(speculative_algorithm="NONE", speculative_token_map=str(mine)).resolve()  # nothing to restrict
