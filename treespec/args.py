@@ -1,4 +1,10 @@
-"""ServerArgs: every engine and server flag (SGLang names), with validation that names the flag."""
+"""ServerArgs: every engine and server flag (SGLang names) as given; `resolve()` checks them once, naming
+the flag, and returns ResolvedArgs: the same flags with every "auto" replaced by what it means here.
+
+The entry points (Engine, the server launcher) resolve once and pass ResolvedArgs down. torch is
+imported only where a value needs it (CUDA availability, torch.dtype objects), so the HTTP process can
+import this module without loading torch.
+"""
 
 from __future__ import annotations
 
@@ -6,25 +12,39 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from treespec import drafts
+
+if TYPE_CHECKING:
+    import torch
 
 
 class ArgError(ValueError):
     """A bad flag value; the message names the flag."""
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+SPECULATIVE_ALGORITHMS = ("NONE", "EAGLE", "EAGLE3")
+# the tree shape for a draft model other than a shipped head when none of the three flags is given
+GENERIC_SPECULATIVE_SHAPE = (5, 4, 8)  # (num_steps, eagle_topk, num_draft_tokens)
 
 
-@dataclass
+def _check(ok: bool, flag: str, msg: str) -> None:
+    if not ok:
+        raise ArgError(f"{flag}: {msg}")
+
+
+@dataclass(frozen=True)
 class ServerArgs:
+    """The flags as given ("auto" where not); resolve() gives the ResolvedArgs the engine runs with."""
+
     # model
     model_path: str | None = None  # None = the embedded default (SmolLM2-135M-Instruct)
     tokenizer_path: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
     context_length: int | None = None
     # memory and scheduling
     max_total_tokens: int | None = None  # KV pool size in tokens
@@ -58,100 +78,87 @@ class ServerArgs:
     random_seed: int = 0
     skip_warmup: bool = False
 
-    def resolved_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype == "auto":
-            # CPU: fp32. bf16 decodes faster on CPUs with native bf16 (measured ~1.2-1.7x here with
-            # benchmarks/bench_one_batch.py), but its rounding makes the tree-verify forward disagree
-            # with plain decoding often enough that greedy speculation stops being token-exact
-            # (measured: bench_speculative.py, exact=False in bf16). Lossless comes first.
-            return torch.float32 if device.type == "cpu" else torch.bfloat16
-        return DTYPES[self.dtype]
+    def resolve(self) -> ResolvedArgs:
+        """Check every flag (each error names its flag) and resolve every "auto". `self` is not changed:
+        resolving twice gives equal results."""
+        _check(self.dtype == "auto" or self.dtype in DTYPE_NAMES, "--dtype", f"unknown dtype {self.dtype!r}")
+        _check(self.speculative_draft_dtype == "auto" or self.speculative_draft_dtype in DTYPE_NAMES,
+               "--speculative-draft-dtype", f"unknown dtype {self.speculative_draft_dtype!r}")
+        _check(self.context_length is None or self.context_length > 0, "--context-length", "must be positive")
+        _check(self.max_total_tokens is None or self.max_total_tokens > 0, "--max-total-tokens", "must be positive")
+        _check(self.max_running_requests > 0, "--max-running-requests", "must be positive")
+        _check(self.chunked_prefill_size > 0, "--chunked-prefill-size", "must be positive")
+        _check(self.max_prefill_tokens > 0, "--max-prefill-tokens", "must be positive")
+        _check(self.schedule_policy in ("lpm", "fcfs"), "--schedule-policy", "must be lpm or fcfs")
+        _check(self.page_size == 1, "--page-size", "only page size 1 is supported so far")
+        _check(0 < self.port < 65536, "--port", f"{self.port} is not a valid port")
+        _check(self.num_threads is None or self.num_threads > 0, "--num-threads", "must be positive")
+        device = resolve_device(self.device)
+        dtype = self.dtype if self.dtype != "auto" else default_dtype(device)
+        draft_dtype = dtype if self.speculative_draft_dtype == "auto" else self.speculative_draft_dtype
+        return ResolvedArgs(**{**dataclasses.asdict(self), "device": device, "dtype": dtype,
+                               "speculative_draft_dtype": draft_dtype, **self._resolve_speculative()})
 
-    def resolved_draft_dtype(self, target_dtype: torch.dtype) -> torch.dtype:
-        if self.speculative_draft_dtype == "auto":
-            return target_dtype
-        return DTYPES[self.speculative_draft_dtype]
-
-    def resolved_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
-
-    def validate(self) -> None:
-        def check(ok: bool, flag: str, msg: str) -> None:
-            if not ok:
-                raise ArgError(f"{flag}: {msg}")
-
-        check(self.dtype == "auto" or self.dtype in DTYPES, "--dtype", f"unknown dtype {self.dtype!r}")
-        check(self.speculative_draft_dtype == "auto" or self.speculative_draft_dtype in DTYPES, "--speculative-draft-dtype",
-              f"unknown dtype {self.speculative_draft_dtype!r}")
-        check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "--device", f"unknown device {self.device!r}")
-        if self.device.startswith("cuda"):
-            check(torch.cuda.is_available(), "--device", "CUDA was requested but is not available")
-        check(self.context_length is None or self.context_length > 0, "--context-length", "must be positive")
-        check(self.max_total_tokens is None or self.max_total_tokens > 0, "--max-total-tokens", "must be positive")
-        check(self.max_running_requests > 0, "--max-running-requests", "must be positive")
-        check(self.chunked_prefill_size > 0, "--chunked-prefill-size", "must be positive")
-        check(self.max_prefill_tokens > 0, "--max-prefill-tokens", "must be positive")
-        check(self.schedule_policy in ("lpm", "fcfs"), "--schedule-policy", "must be lpm or fcfs")
-        check(self.page_size == 1, "--page-size", "only page size 1 is supported so far")
-        check(0 < self.port < 65536, "--port", f"{self.port} is not a valid port")
-        check(self.num_threads is None or self.num_threads > 0, "--num-threads", "must be positive")
+    def _resolve_speculative(self) -> dict:
+        """The speculative_* fields resolved: the algorithm; for the default model, the shipped head with
+        its token map, tuned shape and tuned schedule unless given; the tree shape checked."""
         algo = (self.speculative_algorithm or "NONE").upper()
         if algo == "AUTO":
-            from treespec.drafts import shipped_draft_path
-
             default_model = self.model_path is None and not self.speculative_draft_model_path
-            algo = "EAGLE3" if default_model and shipped_draft_path("EAGLE3") is not None else "NONE"
-        self.speculative_algorithm = algo
-        check(algo in ("NONE", "EAGLE", "EAGLE3"), "--speculative-algorithm",
-              f"must be auto, NONE, EAGLE or EAGLE3, got {algo!r}")
-        spec = (self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens)
+            algo = "EAGLE3" if default_model and drafts.shipped_draft_path("EAGLE3") is not None else "NONE"
+        _check(algo in SPECULATIVE_ALGORITHMS, "--speculative-algorithm",
+               f"must be auto, NONE, EAGLE or EAGLE3, got {algo!r}")
         if algo == "NONE":
-            return
-        user_token_map = self.speculative_token_map
-        asks_for_map = user_token_map is not None and user_token_map.lower() != "none"
-        check(not asks_for_map or algo == "EAGLE", "--speculative-token-map",
-              "applies to --speculative-algorithm EAGLE only (EAGLE-3 heads bring their own draft vocabulary)")
-        if not self.speculative_draft_model_path and self.model_path is None:
-            from treespec.drafts import TUNED, shipped_draft_path
-
-            shipped = shipped_draft_path(algo)  # the head shipped for the default model
+            return {"speculative_algorithm": algo}
+        given_map = self.speculative_token_map
+        asks_for_map = given_map is not None and given_map.lower() != "none"
+        _check(not asks_for_map or algo == "EAGLE", "--speculative-token-map",
+               "applies to --speculative-algorithm EAGLE only (EAGLE-3 heads bring their own draft vocabulary)")
+        draft_path, token_map, schedule_path = self.speculative_draft_model_path, given_map, self.speculative_config
+        shape = (self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens)
+        if not draft_path and self.model_path is None:
+            shipped = drafts.shipped_draft_path(algo)  # the head shipped for the default model
             if shipped is not None:
-                self.speculative_draft_model_path = str(shipped)
+                draft_path = str(shipped)
                 shipped_map = shipped / "token_map.pt"  # the hot-token list shipped with an EAGLE head
-                if user_token_map is None and shipped_map.is_file():
-                    self.speculative_token_map = str(shipped_map)
-                if spec == (None, None, None):
-                    spec = TUNED[algo]
-                    self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens = spec
+                if given_map is None and shipped_map.is_file():
+                    token_map = str(shipped_map)
+                if shape == (None, None, None):
+                    shape = drafts.TUNED[algo]
                     # the schedule tuned by benchmarks/bench_speculative.py: settings by batch size
                     tuned_schedule = shipped / "speculative_config.json"
-                    if self.speculative_config is None and tuned_schedule.is_file():
-                        self.speculative_config = str(tuned_schedule)
-        if user_token_map is not None and not asks_for_map:  # "none": no list, not even a shipped one
-            self.speculative_token_map = None
-        elif self.speculative_token_map is not None:
-            check(Path(self.speculative_token_map).is_file(), "--speculative-token-map",
-                  f"{self.speculative_token_map!r} is not a file")
-        if self.speculative_config:
-            from treespec.speculative.shapes import ScheduleError, SpecSchedule
+                    if schedule_path is None and tuned_schedule.is_file():
+                        schedule_path = str(tuned_schedule)
+        if given_map is not None and not asks_for_map:  # "none": no list, not even a shipped one
+            token_map = None
+        elif token_map is not None:
+            _check(Path(token_map).is_file(), "--speculative-token-map", f"{token_map!r} is not a file")
+        # imported here: this module stays torch-free whatever treespec.speculative's package comes to import
+        from treespec.speculative import shapes
 
+        if schedule_path:
             try:
-                SpecSchedule.from_file(self.speculative_config)
-            except ScheduleError as e:
-                raise ArgError(str(e)) from e
-        if spec == (None, None, None):
-            self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens = 5, 4, 8
-        steps, topk, ndraft = self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens
-        check(steps is not None and steps > 0, "--speculative-num-steps", "must be a positive integer")
-        check(topk is not None and topk > 0, "--speculative-eagle-topk", "must be a positive integer")
-        check(ndraft is not None and ndraft > 1, "--speculative-num-draft-tokens", "must be an integer >= 2")
-        if topk == 1:
-            check(ndraft == steps + 1, "--speculative-num-draft-tokens",
-                  f"with --speculative-eagle-topk 1 the tree is a chain: must equal --speculative-num-steps + 1 = {steps + 1}")
-        check(ndraft <= 1 + topk * steps, "--speculative-num-draft-tokens",
-              f"must be <= 1 + topk * steps = {1 + topk * steps}")
+                shapes.SpecSchedule.from_file(schedule_path)
+            except shapes.ScheduleError as e:
+                raise ArgError(str(e)) from e  # names --speculative-config
+        if shape == (None, None, None):
+            shape = GENERIC_SPECULATIVE_SHAPE
+        steps, topk, ndraft = shape
+        # each flag on its own first, so the error names it; then the tree-shape rules (shapes.py)
+        _check(steps is not None and steps > 0, "--speculative-num-steps", "must be a positive integer")
+        _check(topk is not None and topk > 0, "--speculative-eagle-topk", "must be a positive integer")
+        _check(ndraft is not None and ndraft > 1, "--speculative-num-draft-tokens", "must be an integer >= 2")
+        try:
+            shapes.validate_shape(steps, topk, ndraft, f"--speculative-num-draft-tokens {ndraft} (with "
+                                  f"--speculative-num-steps {steps}, --speculative-eagle-topk {topk})")
+        except shapes.ScheduleError as e:
+            raise ArgError(str(e)) from e
+        _check(bool(draft_path), "--speculative-draft-model-path",
+               f"is required with --speculative-algorithm {algo} (a head is shipped only for the default model)")
+        return {"speculative_algorithm": algo, "speculative_draft_model_path": draft_path,
+                "speculative_num_steps": steps, "speculative_eagle_topk": topk,
+                "speculative_num_draft_tokens": ndraft,
+                "speculative_config": schedule_path, "speculative_token_map": token_map}
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -164,14 +171,67 @@ class ServerArgs:
             conv = int if kind.startswith("int") else float if kind.startswith("float") else str
             parser.add_argument(flag, type=conv, default=f.default)
 
-    @classmethod
-    def from_cli(cls, argv: list[str] | None = None) -> ServerArgs:
+    @staticmethod
+    def from_cli(argv: list[str] | None = None) -> ResolvedArgs:
+        """Parse and resolve the command line; a bad value exits with the usage and the flag's error."""
         parser = argparse.ArgumentParser(prog="treespec-server", description="treespec LLM server")
-        cls.add_cli_args(parser)
+        ServerArgs.add_cli_args(parser)
         ns = parser.parse_args(argv)
-        args = cls(**vars(ns))
         try:
-            args.validate()
+            return ServerArgs(**vars(ns)).resolve()
         except ArgError as e:
             parser.error(str(e))
-        return args
+
+
+@dataclass(frozen=True)
+class ResolvedArgs(ServerArgs):
+    """The flags after ServerArgs.resolve() (build it only that way): every check passed and nothing is
+    "auto": speculative_algorithm is NONE, EAGLE or EAGLE3; device is "cpu", "cuda" or "cuda:N"; dtype
+    and speculative_draft_dtype are names in DTYPE_NAMES; with speculation on, the draft path and the
+    tree shape are set (for the default model: the shipped head, its tuned shape, schedule and token map).
+    torch-free values; the torch_* methods give the torch objects."""
+
+    def resolve(self) -> ResolvedArgs:
+        return self  # already resolved
+
+    def torch_device(self) -> torch.device:
+        import torch
+
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype)
+
+    def torch_draft_dtype(self) -> torch.dtype:
+        return torch_dtype(self.speculative_draft_dtype)
+
+
+def resolve_device(device: str) -> str:
+    """--device: "auto" becomes "cuda" when CUDA is available, else "cpu"; CUDA must be available when asked for."""
+    _check(device in ("auto", "cpu", "cuda") or device.removeprefix("cuda:").isdigit(), "--device",
+           f"unknown device {device!r}")
+    if device == "cpu":
+        return device
+    import torch  # only to ask whether CUDA is there
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    _check(torch.cuda.is_available(), "--device", "CUDA was requested but is not available")
+    return device
+
+
+def default_dtype(device: str) -> str:
+    # CPU: fp32. bf16 decodes faster on CPUs with native bf16 (measured ~1.2-1.7x here with
+    # benchmarks/bench_one_batch.py), but its rounding makes the tree-verify forward disagree
+    # with plain decoding often enough that greedy speculation stops being token-exact
+    # (measured: bench_speculative.py, exact=False in bf16). Lossless comes first.
+    return "float32" if device == "cpu" else "bfloat16"
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype a DTYPE_NAMES name stands for."""
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype name {name!r}, expected one of {DTYPE_NAMES}")
+    import torch
+
+    return getattr(torch, name)

@@ -22,7 +22,7 @@ class Engine:
         unknown = set(kwargs) - names
         if unknown:
             raise TypeError(f"unknown Engine argument(s): {sorted(unknown)}")
-        self.server_args = ServerArgs(model_path=model_path, **kwargs)
+        self.server_args = ServerArgs(model_path=model_path, **kwargs).resolve()
         self.scheduler = Scheduler(self.server_args)
         self.tokenizer = load_tokenizer(self.server_args.tokenizer_path or self.scheduler.model_dir)
         self.scheduler.tokenizer = self.tokenizer

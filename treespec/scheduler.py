@@ -44,10 +44,9 @@ if TYPE_CHECKING:
 
 class Scheduler:
     def __init__(self, args: ServerArgs) -> None:
-        args.validate()
         self.args = args
-        self.device = args.resolved_device()
-        self.dtype = args.resolved_dtype(self.device)
+        self.device = args.torch_device()
+        self.dtype = args.torch_dtype()
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         self.model_dir = resolve_model_path(args.model_path)

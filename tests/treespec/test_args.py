@@ -1,18 +1,46 @@
-"""Server args: SGLang flag names, speculative defaults, and errors that name the flag."""
+"""Server args: SGLang flag names, resolve() (checks naming the flag, "auto" resolved, ServerArgs left
+as it is), speculative defaults, and the tree-shape rules taken from treespec/speculative/shapes.py."""
 
 from __future__ import annotations
 
-import pytest
+import dataclasses
+import pickle
+import subprocess
+import sys
 
-from treespec.args import ArgError, ServerArgs
+import pytest
+import torch
+
+from treespec.args import ArgError, ResolvedArgs, ServerArgs
+
+
+def test_resolve_leaves_server_args_unchanged_and_is_repeatable():
+    args = ServerArgs(model_path="/some/model", speculative_algorithm="eagle3",
+                      speculative_draft_model_path="/some/head")
+    given = dataclasses.asdict(args)
+    first, second = args.resolve(), args.resolve()
+    assert dataclasses.asdict(args) == given
+    assert first == second and isinstance(first, ResolvedArgs)
+    assert first.resolve() is first  # resolving a resolved config is a no-op
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        args.speculative_algorithm = "EAGLE3"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.speculative_num_steps = 1  # type: ignore[misc]
 
 
 def test_speculative_defaults_when_all_three_omitted():
     # a model other than the default one: the generic defaults (the shipped heads have tuned ones)
-    args = ServerArgs(model_path="/some/model", speculative_algorithm="eagle3")
-    args.validate()
-    assert args.speculative_algorithm == "EAGLE3"
-    assert (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (5, 4, 8)
+    resolved = ServerArgs(model_path="/some/model", speculative_algorithm="eagle3",
+                          speculative_draft_model_path="/some/head").resolve()
+    assert resolved.speculative_algorithm == "EAGLE3"
+    assert (resolved.speculative_num_steps, resolved.speculative_eagle_topk,
+            resolved.speculative_num_draft_tokens) == (5, 4, 8)
+
+
+def test_speculation_without_a_draft_head_names_the_flag():
+    with pytest.raises(ArgError, match="^--speculative-draft-model-path: is required"):
+        ServerArgs(model_path="/some/model", speculative_algorithm="EAGLE").resolve()
+    assert ServerArgs(model_path="/some/model").resolve().speculative_algorithm == "NONE"  # auto: off
 
 
 @pytest.mark.parametrize("steps,topk,ndraft,flag", [
@@ -23,25 +51,64 @@ def test_speculative_defaults_when_all_three_omitted():
     (2, 2, None, "--speculative-num-draft-tokens"),
 ])
 def test_bad_speculative_settings_name_the_flag(steps, topk, ndraft, flag):
-    args = ServerArgs(speculative_algorithm="EAGLE", speculative_num_steps=steps,
-                      speculative_eagle_topk=topk, speculative_num_draft_tokens=ndraft)
-    with pytest.raises(ArgError, match=flag):
-        args.validate()
+    args = ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/some/head",
+                      speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=ndraft)
+    with pytest.raises(ArgError, match=f"^{flag}"):
+        args.resolve()
+
+
+def test_tree_shape_rules_come_from_shapes_py(monkeypatch):
+    import treespec.speculative.shapes as shapes
+
+    seen = []
+
+    def recording_validate_shape(steps, topk, ndraft, where):
+        seen.append((steps, topk, ndraft))
+        raise shapes.ScheduleError(f"{where}: rejected by shapes.py")
+
+    monkeypatch.setattr(shapes, "validate_shape", recording_validate_shape)
+    args = ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/some/head",
+                      speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=5)
+    with pytest.raises(ArgError, match=r"^--speculative-num-draft-tokens 5 .*--speculative-num-steps 3.*"
+                                       r"--speculative-eagle-topk 2.*rejected by shapes.py"):
+        args.resolve()
+    assert seen == [(3, 2, 5)]
 
 
 @pytest.mark.parametrize("field,value,flag", [
     ("dtype", "float8", "--dtype"), ("schedule_policy", "random", "--schedule-policy"),
     ("speculative_algorithm", "MEDUSA", "--speculative-algorithm"), ("port", 70000, "--port"),
-    ("max_total_tokens", 0, "--max-total-tokens"),
+    ("max_total_tokens", 0, "--max-total-tokens"), ("device", "tpu", "--device"),
+    ("speculative_draft_dtype", "int8", "--speculative-draft-dtype"), ("num_threads", 0, "--num-threads"),
 ])
 def test_bad_values_name_the_flag(field, value, flag):
-    with pytest.raises(ArgError, match=flag):
-        ServerArgs(**{field: value}).validate()
+    with pytest.raises(ArgError, match=f"^{flag}"):
+        ServerArgs(**{field: value}).resolve()
+
+
+def test_device_and_dtypes_resolve_to_names_with_torch_objects_on_request():
+    resolved = ServerArgs(speculative_algorithm="NONE").resolve()
+    assert resolved.device == ("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = ServerArgs(device="cpu", speculative_algorithm="NONE").resolve()
+    assert (resolved.device, resolved.dtype, resolved.speculative_draft_dtype) == ("cpu", "float32", "float32")
+    assert (resolved.torch_device(), resolved.torch_dtype()) == (torch.device("cpu"), torch.float32)
+    resolved = ServerArgs(device="cpu", dtype="bfloat16", speculative_algorithm="NONE").resolve()
+    assert resolved.torch_draft_dtype() is torch.bfloat16  # auto: the target's
+    resolved = ServerArgs(device="cpu", speculative_draft_dtype="float16", speculative_algorithm="NONE").resolve()
+    assert (resolved.torch_dtype(), resolved.torch_draft_dtype()) == (torch.float32, torch.float16)
+    assert pickle.loads(pickle.dumps(resolved)) == resolved  # it travels to the scheduler process
+
+
+def test_importing_and_resolving_on_cpu_does_not_load_torch():
+    code = ("import sys; from treespec.args import ServerArgs; assert 'torch' not in sys.modules; "
+            "ServerArgs(device='cpu').resolve(); ServerArgs(device='cpu', speculative_algorithm='EAGLE', "
+            "speculative_draft_model_path='/h').resolve(); assert 'torch' not in sys.modules, 'torch'")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_cli_parsing_and_cli_errors(capsys):
     args = ServerArgs.from_cli(["--port", "31000", "--disable-radix-cache", "--speculative-algorithm", "NONE"])
-    assert args.port == 31000 and args.disable_radix_cache
+    assert isinstance(args, ResolvedArgs) and args.port == 31000 and args.disable_radix_cache
     with pytest.raises(SystemExit):
         ServerArgs.from_cli(["--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "1",
                              "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "8"])
@@ -55,18 +122,26 @@ def test_shipped_head_is_the_default_draft_for_the_default_model(algorithm):
     shipped = shipped_draft_path(algorithm)
     if shipped is None:
         pytest.skip(f"no shipped {algorithm} head in this checkout")
-    args = ServerArgs(speculative_algorithm=algorithm)
-    args.validate()
-    assert args.speculative_draft_model_path == str(shipped)
-    assert (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == TUNED[algorithm]
+    resolved = ServerArgs(speculative_algorithm=algorithm).resolve()
+    assert resolved.speculative_draft_model_path == str(shipped)
+    assert (resolved.speculative_num_steps, resolved.speculative_eagle_topk,
+            resolved.speculative_num_draft_tokens) == TUNED[algorithm]
     # explicit settings win; another target model gets no shipped head
-    args = ServerArgs(speculative_algorithm=algorithm, speculative_num_steps=3, speculative_eagle_topk=1,
-                      speculative_num_draft_tokens=4)
-    args.validate()
-    assert (args.speculative_num_steps, args.speculative_draft_model_path) == (3, str(shipped))
-    args = ServerArgs(model_path="/some/other/model", speculative_algorithm=algorithm)
-    args.validate()
-    assert args.speculative_draft_model_path is None
+    resolved = ServerArgs(speculative_algorithm=algorithm, speculative_num_steps=3, speculative_eagle_topk=1,
+                          speculative_num_draft_tokens=4).resolve()
+    assert (resolved.speculative_num_steps, resolved.speculative_draft_model_path) == (3, str(shipped))
+    with pytest.raises(ArgError, match="^--speculative-draft-model-path"):
+        ServerArgs(model_path="/some/other/model", speculative_algorithm=algorithm).resolve()
+
+
+def test_auto_speculation_is_on_only_for_the_default_model_with_a_shipped_head(tmp_path, monkeypatch):
+    fake_shipped_head(tmp_path, monkeypatch)
+    assert ServerArgs().resolve().speculative_algorithm == "EAGLE3"
+    assert ServerArgs(model_path="/some/model").resolve().speculative_algorithm == "NONE"
+    import treespec.drafts as drafts
+
+    monkeypatch.setattr(drafts, "shipped_draft_path", lambda algorithm: None)
+    assert ServerArgs().resolve().speculative_algorithm == "NONE"
 
 
 def fake_shipped_head(tmp_path, monkeypatch):
@@ -83,55 +158,46 @@ def fake_shipped_head(tmp_path, monkeypatch):
 
 def test_shipped_tuned_schedule_is_used_unless_settings_are_given(tmp_path, monkeypatch):
     head = fake_shipped_head(tmp_path, monkeypatch)
-    args = ServerArgs(speculative_algorithm="EAGLE3")
-    args.validate()
-    assert args.speculative_config is None  # no tuned schedule shipped: the constant TUNED setting
+    resolved = ServerArgs(speculative_algorithm="EAGLE3").resolve()
+    assert resolved.speculative_config is None  # no tuned schedule shipped: the constant TUNED setting
     (head / "speculative_config.json").write_text('{"schedule": [{"max_batch_size": null, "num_steps": 0}]}')
-    args = ServerArgs(speculative_algorithm="EAGLE3")
-    args.validate()
-    assert args.speculative_config == str(head / "speculative_config.json")
+    resolved = ServerArgs(speculative_algorithm="EAGLE3").resolve()
+    assert resolved.speculative_config == str(head / "speculative_config.json")
     # explicit settings or an explicit schedule win over the shipped one
-    args = ServerArgs(speculative_algorithm="EAGLE3", speculative_num_steps=3, speculative_eagle_topk=1,
-                      speculative_num_draft_tokens=4)
-    args.validate()
-    assert args.speculative_config is None
+    resolved = ServerArgs(speculative_algorithm="EAGLE3", speculative_num_steps=3, speculative_eagle_topk=1,
+                          speculative_num_draft_tokens=4).resolve()
+    assert resolved.speculative_config is None
     mine = tmp_path / "mine.json"
     mine.write_text('{"schedule": [{"max_batch_size": null, "num_steps": 2, "eagle_topk": 1}]}')
-    args = ServerArgs(speculative_algorithm="EAGLE3", speculative_config=str(mine))
-    args.validate()
-    assert args.speculative_config == str(mine)
+    resolved = ServerArgs(speculative_algorithm="EAGLE3", speculative_config=str(mine)).resolve()
+    assert resolved.speculative_config == str(mine)
+    mine.write_text('{"schedule": []}')
+    with pytest.raises(ArgError, match="^--speculative-config"):
+        ServerArgs(speculative_algorithm="EAGLE3", speculative_config=str(mine)).resolve()
 
 
 def test_speculative_token_map_flag(tmp_path, monkeypatch):
     """--speculative-token-map: EAGLE only; the shipped EAGLE head's list is the default for it,
     "none" turns that off, an explicit file wins, a missing file names the flag."""
     head = fake_shipped_head(tmp_path, monkeypatch)
-    args = ServerArgs(speculative_algorithm="EAGLE")
-    args.validate()
-    assert args.speculative_token_map is None  # the head ships no list
+    assert ServerArgs(speculative_algorithm="EAGLE").resolve().speculative_token_map is None  # the head ships none
     (head / "token_map.pt").write_bytes(b"")
     args = ServerArgs(speculative_algorithm="EAGLE")
-    args.validate()
-    assert args.speculative_token_map == str(head / "token_map.pt")
-    args.validate()  # validating again (the scheduler process does) keeps it
-    assert args.speculative_token_map == str(head / "token_map.pt")
-    args = ServerArgs(speculative_algorithm="EAGLE", speculative_token_map="none")
-    args.validate()
-    assert args.speculative_token_map is None
+    assert args.resolve().speculative_token_map == str(head / "token_map.pt")
+    assert args.speculative_token_map is None  # the given flag is left as given
+    resolved = ServerArgs(speculative_algorithm="EAGLE", speculative_token_map="none").resolve()
+    assert resolved.speculative_token_map is None
     mine = tmp_path / "mine.pt"
     mine.write_bytes(b"")
-    args = ServerArgs(speculative_algorithm="EAGLE", speculative_token_map=str(mine))
-    args.validate()
-    assert args.speculative_token_map == str(mine)
-    with pytest.raises(ArgError, match="--speculative-token-map.*EAGLE only"):
-        ServerArgs(speculative_algorithm="EAGLE3", speculative_token_map=str(mine)).validate()
-    args = ServerArgs(speculative_algorithm="EAGLE3", speculative_token_map="none")  # asks for nothing: fine
-    args.validate()
-    assert args.speculative_token_map is None
-    with pytest.raises(ArgError, match="--speculative-token-map.*is not a file"):
-        ServerArgs(speculative_algorithm="EAGLE", speculative_token_map=str(tmp_path / "nope.pt")).validate()
-    args = ServerArgs(speculative_algorithm="NONE", speculative_token_map=str(mine))
-    args.validate()  # no speculation: nothing to restrict
+    resolved = ServerArgs(speculative_algorithm="EAGLE", speculative_token_map=str(mine)).resolve()
+    assert resolved.speculative_token_map == str(mine)
+    with pytest.raises(ArgError, match="^--speculative-token-map.*EAGLE only"):
+        ServerArgs(speculative_algorithm="EAGLE3", speculative_token_map=str(mine)).resolve()
+    resolved = ServerArgs(speculative_algorithm="EAGLE3", speculative_token_map="none").resolve()  # asks for nothing
+    assert resolved.speculative_token_map is None
+    with pytest.raises(ArgError, match="^--speculative-token-map.*is not a file"):
+        ServerArgs(speculative_algorithm="EAGLE", speculative_token_map=str(tmp_path / "nope.pt")).resolve()
+    ServerArgs(speculative_algorithm="NONE", speculative_token_map=str(mine)).resolve()  # nothing to restrict
 
 
 def test_shipped_eagle_head_ships_a_token_map():
@@ -141,8 +207,7 @@ def test_shipped_eagle_head_ships_a_token_map():
     shipped = shipped_draft_path("EAGLE")
     if shipped is None:
         pytest.skip("no shipped EAGLE head in this checkout")
-    args = ServerArgs(speculative_algorithm="EAGLE")
-    args.validate()
-    assert args.speculative_token_map == str(shipped / "token_map.pt")
-    ids = load_token_map(args.speculative_token_map, 49152)  # SmolLM2's vocabulary
+    resolved = ServerArgs(speculative_algorithm="EAGLE").resolve()
+    assert resolved.speculative_token_map == str(shipped / "token_map.pt")
+    ids = load_token_map(resolved.speculative_token_map, 49152)  # SmolLM2's vocabulary
     assert ids.numel() == 8192

@@ -61,3 +61,53 @@ def test_bad_model_paths_give_one_clear_error(tmp_path, case):
 def test_unsupported_architecture_is_rejected():
     with pytest.raises(ValueError, match="unsupported architecture"):
         ModelConfig.from_hf({"architectures": ["GPT2LMHeadModel"], "num_attention_heads": 2})
+
+
+def test_registry_covers_exactly_the_architectures_the_config_reader_knows():
+    from treespec.models.config import SUPPORTED_ARCHITECTURES
+    from treespec.models.registry import MODEL_REGISTRY
+
+    assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
+
+
+def test_registry_picks_the_first_supported_architecture():
+    from treespec.models.llama import LlamaForCausalLM
+    from treespec.models.registry import model_class_for
+
+    assert model_class_for({"architectures": ["SomethingElse", "Qwen3ForCausalLM"]}) is LlamaForCausalLM
+
+
+def test_runner_rejects_an_unsupported_architecture_naming_it_and_the_supported_ones(tmp_path):
+    import torch
+
+    from treespec.model_runner import ModelRunner
+    from treespec.models.registry import UnsupportedArchitectureError
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(UnsupportedArchitectureError, match=r"GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        ModelRunner(tmp_path, torch.float32, torch.device("cpu"), kv_pool_size=8)
+
+
+def test_runner_builds_the_class_the_registry_names(tmp_path, monkeypatch):
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    import treespec.models.registry as registry
+    from treespec.forward_batch import ForwardContext
+    from treespec.model_runner import ModelRunner
+    from treespec.models.llama import LlamaForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from model_factory import make_tiny_model
+
+    class RegisteredLlama(LlamaForCausalLM):
+        pass
+
+    monkeypatch.setitem(registry.MODEL_REGISTRY, "LlamaForCausalLM", RegisteredLlama)
+    runner = ModelRunner(make_tiny_model("llama", tmp_path / "llama"), torch.float32, torch.device("cpu"),
+                         kv_pool_size=8)
+    assert type(runner.model) is RegisteredLlama
+    # the model gets a typed context, not the runner
+    assert runner.forward_context == ForwardContext(runner.kv_pool, runner.attn_backend)

@@ -37,7 +37,7 @@ def check_parity(model_dir: Path, prompt_len: int = 40, seed: int = 0) -> None:
 
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    runner = ModelRunner(model_dir, torch.float32, torch.device("cpu"), kv_pool_size=1024)
+    runner = ModelRunner(model_dir, torch.float32, torch.device("cpu"), kv_pool_size=1100)  # tree slots 1001+
     vocab = runner.config.vocab_size
     ids = torch.randint(0, vocab, (prompt_len + 2,)).tolist()
     ref = hf_logits(hf, ids)
@@ -71,8 +71,6 @@ def check_parity(model_dir: Path, prompt_len: int = 40, seed: int = 0) -> None:
             mask[i, n + j] = True
             j = parents[j]
     tree_slots = (torch.arange(len(parents)) + 1001).tolist()
-    runner.kv_pool = type(runner.kv_pool)(1100, runner.config.num_layers, runner.config.num_kv_heads,
-                                          runner.config.head_dim, torch.float32)
     run(runner, ForwardMode.EXTEND, ids[:n], range(n), slots[:n], [n], [slots[:n]])
     got = run(runner, ForwardMode.TARGET_VERIFY, tree_tokens, [n + d for d in depth], tree_slots,
               [len(parents)], [slots[:n] + tree_slots], [mask])

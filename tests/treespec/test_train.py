@@ -198,11 +198,9 @@ def test_cli_trains_a_head_further_on_conversations_it_has_not_seen(setup, tmp_p
 @pytest.mark.parametrize("algorithm", ["EAGLE3", "EAGLE"])
 def test_unrolled_training_forward_matches_the_inference_drafter(setup, algorithm: str) -> None:
     """Step 0 = draft extend; step j = the j-th draft decode step of the chain (prefix + ancestors)."""
-    from types import SimpleNamespace
-
     from treespec.attention.metadata import build_metadata
     from treespec.attention.torch_backend import TorchAttnBackend
-    from treespec.forward_batch import ForwardBatch, ForwardMode
+    from treespec.forward_batch import ForwardBatch, ForwardContext, ForwardMode
     from treespec.mem.kv_pool import KVPool
     from treespec.models.draft_loader import create_draft_model
     from treespec.train.unroll import unroll
@@ -218,8 +216,8 @@ def test_unrolled_training_forward_matches_the_inference_drafter(setup, algorith
     feats = torch.randn(1, t + steps, head.input_hidden_size, generator=gen)
     with torch.no_grad():
         outs = unroll(head, target.embed_tokens.weight, ids, feats, steps)
-    ctx = SimpleNamespace(kv_pool=KVPool(64, 1, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu")),
-                          attn_backend=TorchAttnBackend(torch.device("cpu")))
+    ctx = ForwardContext(kv_pool=KVPool(64, 1, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu")),
+                         attn_backend=TorchAttnBackend(torch.device("cpu")))
 
     def run(mode, tok, pos, slots, kv, hidden):
         batch = ForwardBatch(mode=mode, input_ids=tok, positions=pos, out_cache_loc=slots,

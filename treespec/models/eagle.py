@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treespec.forward_batch import ForwardBatch, ModelOutput
+from treespec.forward_batch import ForwardBatch, ForwardContext, ModelOutput
 from treespec.models.config import ModelConfig
 from treespec.models.draft_weights import WeightReader, fused_layer_weights, split_layer_weights
 from treespec.models.layers import RotaryEmbedding
@@ -74,7 +74,7 @@ class EagleDraftModel(nn.Module):
         self.lm_head_weight = nn.Parameter(rows, requires_grad=False) if self.own_lm_head else rows
         self.packed_head = None
 
-    def forward(self, batch: ForwardBatch, ctx, return_all_hidden: bool = False) -> ModelOutput:
+    def forward(self, batch: ForwardBatch, ctx: ForwardContext, return_all_hidden: bool = False) -> ModelOutput:
         emb = F.embedding(batch.input_ids, self.embed_weight)
         h = self.fc(torch.cat([emb, batch.input_hidden.to(emb.dtype)], dim=-1))
         cos, sin = self.rotary(batch.positions, h.dtype)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treespec.forward_batch import ForwardBatch, ForwardMode, ModelOutput
+from treespec.forward_batch import ForwardBatch, ForwardContext, ForwardMode, ModelOutput
 from treespec.models.config import ModelConfig
 from treespec.models.draft_weights import WeightReader, fused_layer_weights, split_layer_weights
 from treespec.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
@@ -46,7 +46,8 @@ class Eagle3MidLayer(nn.Module):
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
 
-    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, cos, sin, batch: ForwardBatch, ctx) -> torch.Tensor:
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, cos, sin, batch: ForwardBatch,
+                ctx: ForwardContext) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
         h, normed = self.post_attention_layernorm.add_forward(self.self_attn(x, cos, sin, batch, ctx), hidden)
         return h + self.mlp(normed)
@@ -124,7 +125,7 @@ class Eagle3DraftModel(nn.Module):
                              f"of layers {layers} (set eagle_config.eagle_aux_hidden_state_layer_ids)")
         return layers
 
-    def forward(self, batch: ForwardBatch, ctx, return_all_hidden: bool = False) -> ModelOutput:
+    def forward(self, batch: ForwardBatch, ctx: ForwardContext, return_all_hidden: bool = False) -> ModelOutput:
         emb = F.embedding(batch.input_ids, self.embed_weight)
         hidden = batch.input_hidden.to(emb.dtype)
         if batch.mode != ForwardMode.DRAFT_DECODE:

@@ -7,7 +7,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from treespec.forward_batch import ForwardBatch, ModelOutput
+from treespec.forward_batch import ForwardBatch, ForwardContext, ModelOutput
 from treespec.models.block_quant import BlockQuant, fuse_llama_block_quant
 from treespec.models.config import ModelConfig
 from treespec.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope, use_cpu_kernels
@@ -33,7 +33,8 @@ class Attention(nn.Module):
         # call instead of ~10 small torch ops per layer
         self.rope_store_kernel: ModuleType | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, ctx) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+                ctx: ForwardContext) -> torch.Tensor:
         qkv = self.qkv_proj.forward(x)
         k_buf, v_buf = ctx.kv_pool.get_kv(self.layer_id)
         if (self.rope_store_kernel is not None and not self.qk_norm and qkv.dtype == k_buf.dtype == torch.float32
@@ -65,7 +66,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, cos, sin, batch: ForwardBatch, ctx) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cos, sin, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         # .forward, not __call__: Module.__call__'s hook bookkeeping costs ~5 us a call on the CPU dev
         # machine, ~10 calls per layer, and nothing here uses hooks
         attn_out = self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, batch, ctx)
@@ -102,7 +103,7 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head
 
-    def forward(self, batch: ForwardBatch, ctx, return_all_hidden: bool = False) -> ModelOutput:
+    def forward(self, batch: ForwardBatch, ctx: ForwardContext, return_all_hidden: bool = False) -> ModelOutput:
         h = self.embed_tokens(batch.input_ids)
         cos, sin = self.rotary(batch.positions, h.dtype)
         aux = []

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from treespec.args import DTYPES, ServerArgs
+from treespec.args import DTYPE_NAMES, ServerArgs
 from treespec.model_loader import cache_dir, resolve_model_path
 from treespec.models.draft_loader import save_draft, save_token_map
 from treespec.train.data import (
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int, default=256, help="self-distill: user turn cut to this many tokens")
     p.add_argument("--max-new-tokens", type=int, default=160, help="self-distill: reply length limit")
     p.add_argument("--distill-batch", type=int, default=64, help="self-distill: conversations decoded together (running batch)")
-    p.add_argument("--distill-dtype", default="auto", choices=["auto", *DTYPES],
+    p.add_argument("--distill-dtype", default="auto", choices=["auto", *DTYPE_NAMES],
                    help="self-distill: target dtype for generation (bfloat16 is ~2x faster on CPUs with bf16 units; "
                         "the training signal still comes from the target in float32)")
     p.add_argument("--max-seq-len", type=int, default=512, help="training sequences are cut to this many tokens")
@@ -83,8 +83,7 @@ def build_examples(args: argparse.Namespace, model_dir: Path, tokenizer, work: P
 
         key = hashlib.sha1(f"{Path(args.data or default_data_path()).resolve()}|{model_dir.resolve()}|{args.holdout}".encode()).hexdigest()[:10]
         # greedy replies depend on the generation dtype (bf16 rounding changes the argmax), so it is part of the name
-        gen_args = ServerArgs(dtype=args.distill_dtype)
-        dtype_name = str(gen_args.resolved_dtype(gen_args.resolved_device())).removeprefix("torch.")
+        dtype_name = ServerArgs(dtype=args.distill_dtype, speculative_algorithm="NONE").resolve().dtype
         cache = work.parent / f"distill-{key}-p{args.max_prompt_tokens}-n{args.max_new_tokens}-{dtype_name}.jsonl"
         def make_engine() -> Engine:
             # plain decoding: greedy replies are the same with speculation, which at this batch size

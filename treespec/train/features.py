@@ -22,12 +22,15 @@ from treespec.model_loader import load_config, load_hf_weights
 from treespec.models.config import ModelConfig
 from treespec.models.layers import apply_rope
 from treespec.models.llama import LlamaForCausalLM
+from treespec.models.registry import model_class_for
 
 
 def load_target(model_dir: Path, max_positions: int) -> LlamaForCausalLM:
-    cfg = ModelConfig.from_hf(load_config(model_dir))
+    hf_config = load_config(model_dir)
+    model_class = model_class_for(hf_config)
+    cfg = ModelConfig.from_hf(hf_config)
     with torch.device("cpu"):
-        model = LlamaForCausalLM(cfg, min(max_positions, cfg.max_position_embeddings))
+        model = model_class(cfg, min(max_positions, cfg.max_position_embeddings))
     model.load_weights(load_hf_weights(model_dir))
     return model.float().eval().requires_grad_(False)
 

@@ -45,7 +45,7 @@ def test_bad_config_names_the_flag(tmp_path, bad):
     args = ServerArgs(speculative_algorithm="EAGLE3", speculative_config=write(tmp_path, bad),
                       speculative_draft_model_path="x", model_path="y")
     with pytest.raises(ArgError, match="--speculative-config"):
-        args.validate()
+        args.resolve()
 
 
 def test_large_batches_fall_back_to_plain_steps_and_stay_exact(tmp_path):
