@@ -93,11 +93,9 @@ class ServerArgs:
         _check(self.page_size == 1, "--page-size", "only page size 1 is supported so far")
         _check(0 < self.port < 65536, "--port", f"{self.port} is not a valid port")
         _check(self.num_threads is None or self.num_threads > 0, "--num-threads", "must be positive")
-        device = resolve_device(self.device)
-        dtype = self.dtype if self.dtype != "auto" else default_dtype(device)
-        draft_dtype = dtype if self.speculative_draft_dtype == "auto" else self.speculative_draft_dtype
-        return ResolvedArgs(**{**dataclasses.asdict(self), "device": device, "dtype": dtype,
-                               "speculative_draft_dtype": draft_dtype, **self._resolve_speculative()})
+        _check(self.device in ("auto", "cpu", "cuda") or self.device.removeprefix("cuda:").isdigit(), "--device",
+               f"unknown device {self.device!r}")
+        return ResolvedArgs(**{**dataclasses.asdict(self), **self._resolve_speculative()})
 
     def _resolve_speculative(self) -> dict:
         """The speculative_* fields resolved: the algorithm; for the default model, the shipped head with
@@ -185,39 +183,36 @@ class ServerArgs:
 
 @dataclass(frozen=True)
 class ResolvedArgs(ServerArgs):
-    """The flags after ServerArgs.resolve() (build it only that way): every check passed and nothing is
-    "auto": speculative_algorithm is NONE, EAGLE or EAGLE3; device is "cpu", "cuda" or "cuda:N"; dtype
-    and speculative_draft_dtype are names in DTYPE_NAMES; with speculation on, the draft path and the
-    tree shape are set (for the default model: the shipped head, its tuned shape, schedule and token map).
-    torch-free values; the torch_* methods give the torch objects."""
+    """The flags after ServerArgs.resolve() (build it only that way): every check passed;
+    speculative_algorithm is NONE, EAGLE or EAGLE3; with speculation on, the draft path and the tree shape
+    are set (for the default model: the shipped head, its tuned shape, schedule and token map).
+
+    Device and dtypes are settled where the model runs, by torch_device() / torch_dtype() /
+    torch_draft_dtype(): "auto" needs torch to ask for CUDA, and the launcher (the HTTP process) never
+    imports torch. A CUDA device that is not there is an ArgError naming --device from torch_device()."""
 
     def resolve(self) -> ResolvedArgs:
         return self  # already resolved
 
     def torch_device(self) -> torch.device:
+        """--device: "auto" is CUDA when available, else the CPU; CUDA must be there when asked for."""
         import torch
 
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device != "cpu":
+            _check(torch.cuda.is_available(), "--device", "CUDA was requested but is not available")
         return torch.device(self.device)
 
     def torch_dtype(self) -> torch.dtype:
-        return torch_dtype(self.dtype)
+        """--dtype: "auto" is float32 on the CPU and bfloat16 on CUDA (default_dtype)."""
+        return torch_dtype(default_dtype(self.torch_device().type) if self.dtype == "auto" else self.dtype)
 
     def torch_draft_dtype(self) -> torch.dtype:
+        """--speculative-draft-dtype: "auto" is the target's dtype."""
+        if self.speculative_draft_dtype == "auto":
+            return self.torch_dtype()
         return torch_dtype(self.speculative_draft_dtype)
-
-
-def resolve_device(device: str) -> str:
-    """--device: "auto" becomes "cuda" when CUDA is available, else "cpu"; CUDA must be available when asked for."""
-    _check(device in ("auto", "cpu", "cuda") or device.removeprefix("cuda:").isdigit(), "--device",
-           f"unknown device {device!r}")
-    if device == "cpu":
-        return device
-    import torch  # only to ask whether CUDA is there
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    _check(torch.cuda.is_available(), "--device", "CUDA was requested but is not available")
-    return device
 
 
 def default_dtype(device: str) -> str:

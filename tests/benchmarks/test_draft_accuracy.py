@@ -13,7 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "treespec" / "spec"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "treespec" / "speculative"))
 from bench_loader import load_benchmark  # noqa: E402
 from eagle_test_models import Lookup, lookup_eagle3_head, lookup_eagle_head, lookup_target, random_head  # noqa: E402
 

@@ -88,10 +88,12 @@ def test_bad_values_name_the_flag(field, value, flag):
 
 def test_device_and_dtypes_resolve_to_names_with_torch_objects_on_request():
     resolved = ServerArgs(speculative_algorithm="NONE").resolve()
-    assert resolved.device == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolved.device == "auto"  # settled where the model runs, not in the launcher
+    assert resolved.torch_device() == torch.device("cuda" if torch.cuda.is_available() else "cpu")
     resolved = ServerArgs(device="cpu", speculative_algorithm="NONE").resolve()
-    assert (resolved.device, resolved.dtype, resolved.speculative_draft_dtype) == ("cpu", "float32", "float32")
+    assert (resolved.device, resolved.dtype, resolved.speculative_draft_dtype) == ("cpu", "auto", "auto")
     assert (resolved.torch_device(), resolved.torch_dtype()) == (torch.device("cpu"), torch.float32)
+    assert resolved.torch_draft_dtype() is torch.float32
     resolved = ServerArgs(device="cpu", dtype="bfloat16", speculative_algorithm="NONE").resolve()
     assert resolved.torch_draft_dtype() is torch.bfloat16  # auto: the target's
     resolved = ServerArgs(device="cpu", speculative_draft_dtype="float16", speculative_algorithm="NONE").resolve()
@@ -101,6 +103,7 @@ def test_device_and_dtypes_resolve_to_names_with_torch_objects_on_request():
 
 def test_importing_and_resolving_on_cpu_does_not_load_torch():
     code = ("import sys; from treespec.args import ServerArgs; assert 'torch' not in sys.modules; "
+            "ServerArgs().resolve(); ServerArgs(device='cuda').resolve(); "
             "ServerArgs(device='cpu').resolve(); ServerArgs(device='cpu', speculative_algorithm='EAGLE', "
             "speculative_draft_model_path='/h').resolve(); assert 'torch' not in sys.modules, 'torch'")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -83,7 +83,8 @@ def build_examples(args: argparse.Namespace, model_dir: Path, tokenizer, work: P
 
         key = hashlib.sha1(f"{Path(args.data or default_data_path()).resolve()}|{model_dir.resolve()}|{args.holdout}".encode()).hexdigest()[:10]
         # greedy replies depend on the generation dtype (bf16 rounding changes the argmax), so it is part of the name
-        dtype_name = ServerArgs(dtype=args.distill_dtype, speculative_algorithm="NONE").resolve().dtype
+        dtype = ServerArgs(dtype=args.distill_dtype, speculative_algorithm="NONE").resolve().torch_dtype()
+        dtype_name = str(dtype).removeprefix("torch.")
         cache = work.parent / f"distill-{key}-p{args.max_prompt_tokens}-n{args.max_new_tokens}-{dtype_name}.jsonl"
         def make_engine() -> Engine:
             # plain decoding: greedy replies are the same with speculation, which at this batch size
