@@ -77,13 +77,19 @@ def segment_packbits_triton(
     return packed, packed_indptr
 
 
+def _packbits_numpy(segments: list[np.ndarray], indptr_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack each flat bool array on its own; byte offsets from host ints (one tensor, no torch ops)."""
+    packed = [np.packbits(bits, bitorder="little") for bits in segments]
+    packed_bytes = np.concatenate(packed) if packed else np.zeros(0, dtype=np.uint8)
+    packed_indptr = torch.tensor([0, *accumulate(p.size for p in packed)], dtype=indptr_dtype)
+    return torch.from_numpy(packed_bytes), packed_indptr
+
+
 def segment_packbits_numpy(mask: torch.Tensor, indptr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """CPU implementation: numpy's packbits per segment."""
     bits = mask.reshape(-1).numpy()
     bounds = indptr.tolist()
-    packed = [np.packbits(bits[start:end], bitorder="little") for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
-    packed_bytes = np.concatenate(packed) if packed else np.zeros(0, dtype=np.uint8)
-    return torch.from_numpy(packed_bytes), packed_segment_indptr(indptr)
+    return _packbits_numpy([bits[start:end] for start, end in zip(bounds[:-1], bounds[1:], strict=True)], indptr.dtype)
 
 
 def segment_packbits(mask: torch.Tensor, indptr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,9 +109,9 @@ def pack_masks(masks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Pack per-request bool masks (any shape, flattened row-major) as segments of one batch mask.
 
     Returns `(packed uint8, packed_indptr int32 [len(masks) + 1])` on the masks' device."""
+    if all(m.device.type == "cpu" for m in masks):  # no concatenation: numpy packs each in place
+        return _packbits_numpy([m.reshape(-1).numpy() for m in masks], torch.int32)
     indptr = torch.tensor([0, *accumulate(int(m.numel()) for m in masks)], dtype=torch.int32)
-    if not masks:
-        return torch.zeros(0, dtype=torch.uint8), indptr
     flat = torch.cat([m.reshape(-1) for m in masks]).to(torch.bool)
     return segment_packbits(flat, indptr.to(flat.device))
 
