@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import cache_locs, mask_pack, tree_build, tree_sampling, tree_verify
+from . import mask_pack, tree_build, tree_sampling, tree_verify
 
 
 def _signature(kernel: Any, default: str, **types: str) -> dict[str, str]:
@@ -29,12 +29,6 @@ def kernel_specs() -> list[tuple[Any, dict[str, str], dict[str, Any]]]:
         (mask_pack._segment_packbits_kernel, _signature(
             mask_pack._segment_packbits_kernel, "*i64", mask_ptr="*u8", packed_ptr="*u8",
             BLOCK_BYTES="constexpr"), {"BLOCK_BYTES": 128}),
-        (cache_locs._segments_kernel, _signature(
-            cache_locs._segments_kernel, "*i64", req_to_token_ptr="*i32", row_stride="i64",
-            TO_TABLE="constexpr", BLOCK="constexpr"), {"TO_TABLE": True, "BLOCK": 128}),
-        (cache_locs._segments_kernel, _signature(
-            cache_locs._segments_kernel, "*i64", req_to_token_ptr="*i32", flat_ptr="*i32",
-            row_stride="i64", TO_TABLE="constexpr", BLOCK="constexpr"), {"TO_TABLE": False, "BLOCK": 512}),
         (tree_build._build_tree_kernel, _signature(
             tree_build._build_tree_kernel, "*i64", tree_mask_ptr="*u8", topk="i32", num_steps="i32",
             num_draft_tokens="i32", parent_list_width="i32", NODE_BLOCK="constexpr", PREFIX_BLOCK="constexpr"),

@@ -4,9 +4,17 @@ A batch's custom mask is one flat bool tensor: request b owns `mask[indptr[b]:in
 row-major flattening of its [qo_len_b, kv_len_b] matrix (True = may attend). Packing keeps requests
 apart: segment b becomes ceil(len_b / 8) bytes, little bit order (bit j of byte i holds element
 8*i + j of the segment), the last byte zero-padded. `packed_indptr` holds the byte offsets, i.e. the
-`mask_indptr` that FlashInfer's prefill wrapper takes together with the packed mask.
+`mask_indptr` that our attention metadata keeps beside the packed mask.
+
+This is the project's one bit-packing implementation: attention metadata packs with it and the torch
+attention backend unpacks with it. On CPU tensors numpy's packbits does the work (one call per
+segment; the index ops of the torch reference cost tens of microseconds per call and metadata is
+built several times per speculative step), on CUDA the Triton kernel, elsewhere the torch reference.
 """
 
+from itertools import accumulate
+
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -69,22 +77,47 @@ def segment_packbits_triton(
     return packed, packed_indptr
 
 
+def _packbits_numpy(segments: list[np.ndarray], indptr_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack each flat bool array on its own; byte offsets from host ints (one tensor, no torch ops)."""
+    packed = [np.packbits(bits, bitorder="little") for bits in segments]
+    packed_bytes = np.concatenate(packed) if packed else np.zeros(0, dtype=np.uint8)
+    packed_indptr = torch.tensor([0, *accumulate(p.size for p in packed)], dtype=indptr_dtype)
+    return torch.from_numpy(packed_bytes), packed_indptr
+
+
+def segment_packbits_numpy(mask: torch.Tensor, indptr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU implementation: numpy's packbits per segment."""
+    bits = mask.reshape(-1).numpy()
+    bounds = indptr.tolist()
+    return _packbits_numpy([bits[start:end] for start, end in zip(bounds[:-1], bounds[1:], strict=True)], indptr.dtype)
+
+
 def segment_packbits(mask: torch.Tensor, indptr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Pack a flat bool mask [N] segment by segment (`indptr` [B+1], int32/int64, indptr[-1] == N).
 
     Returns `(packed uint8 [sum_b ceil(len_b/8)], packed_indptr [B+1] (indptr's dtype))`.
-    Triton on CUDA, torch otherwise.
+    Triton on CUDA, numpy on CPU, the torch reference elsewhere.
     """
     if use_triton(mask, indptr):
         return segment_packbits_triton(mask, indptr)
+    if mask.device.type == "cpu" and indptr.device.type == "cpu":
+        return segment_packbits_numpy(mask, indptr)
     return segment_packbits_torch(mask, indptr)
 
 
-def segment_unpackbits(packed: torch.Tensor, packed_indptr: torch.Tensor, indptr: torch.Tensor) -> torch.Tensor:
-    """Inverse of `segment_packbits` (torch): bool [indptr[-1]] from the packed bytes.
+def pack_masks(masks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack per-request bool masks (any shape, flattened row-major) as segments of one batch mask.
 
-    The torch attention backend uses it to recover each request's [qo_len, kv_len] mask.
-    """
+    Returns `(packed uint8, packed_indptr int32 [len(masks) + 1])` on the masks' device."""
+    if all(m.device.type == "cpu" for m in masks):  # no concatenation: numpy packs each in place
+        return _packbits_numpy([m.reshape(-1).numpy() for m in masks], torch.int32)
+    indptr = torch.tensor([0, *accumulate(int(m.numel()) for m in masks)], dtype=torch.int32)
+    flat = torch.cat([m.reshape(-1) for m in masks]).to(torch.bool)
+    return segment_packbits(flat, indptr.to(flat.device))
+
+
+def segment_unpackbits_torch(packed: torch.Tensor, packed_indptr: torch.Tensor, indptr: torch.Tensor) -> torch.Tensor:
+    """Reference implementation of `segment_unpackbits` (any device)."""
     lengths = indptr[1:] - indptr[:-1]
     total = int(indptr[-1])
     segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=packed.device), lengths)
@@ -92,3 +125,20 @@ def segment_unpackbits(packed: torch.Tensor, packed_indptr: torch.Tensor, indptr
     byte_index = packed_indptr[:-1].to(packed.device)[segment] + local // 8
     bytes_ = packed.to(torch.int32)[byte_index]
     return ((bytes_ >> (local % 8).to(torch.int32)) & 1).to(torch.bool)
+
+
+def segment_unpackbits(packed: torch.Tensor, packed_indptr: torch.Tensor, indptr: torch.Tensor) -> torch.Tensor:
+    """Inverse of `segment_packbits`: bool [indptr[-1]] from the packed bytes (on packed's device).
+
+    The torch attention backend uses it to recover each request's [qo_len, kv_len] mask, the
+    FlashInfer backend to hand FlashInfer the boolean mask it documents."""
+    if packed.device.type != "cpu":
+        return segment_unpackbits_torch(packed, packed_indptr, indptr)
+    data = packed.numpy()
+    bounds, byte_bounds = indptr.tolist(), packed_indptr.tolist()
+    segments = [
+        np.unpackbits(data[byte_bounds[b] : byte_bounds[b + 1]], count=bounds[b + 1] - bounds[b], bitorder="little")
+        for b in range(len(bounds) - 1)
+    ]
+    bits = np.concatenate(segments) if segments else np.zeros(0, dtype=np.uint8)
+    return torch.from_numpy(bits.view(np.bool_))

@@ -23,7 +23,7 @@ import threading
 import time
 from multiprocessing.connection import wait
 
-from treespec.args import ServerArgs
+from treespec.args import DEFAULT_MODEL_NAME, ServerArgs
 
 logger = logging.getLogger("treespec.launch_server")
 
@@ -56,26 +56,28 @@ class Launcher:
         self.stopping = threading.Event()
 
     # ------------------------------------------------------------------ children
-    def start_children(self, tokenizer_path: str, names) -> dict:
-        import multiprocessing as mp
-
+    def start_children(self, names) -> dict:
+        """Start the scheduler, which resolves the model (converting a GGUF once) and loads it, then the
+        detokenizer on the tokenizer the scheduler reports. This process never imports torch."""
         from treespec.server.detokenizer import run_detokenizer_process
         from treespec.server.scheduler_process import run_scheduler_process
 
+        info = self._start_and_wait("scheduler", run_scheduler_process, (self.args, names))
+        info["tokenizer_path"] = self.args.tokenizer_path or info["model_dir"]
+        self._start_and_wait("detokenizer", run_detokenizer_process,
+                             (self.args.log_level, info["tokenizer_path"], names))
+        return info
+
+    def _start_and_wait(self, name: str, target, args: tuple) -> dict:
+        import multiprocessing as mp
+
         ctx = mp.get_context("spawn")
-        readers = {}
-        targets = {
-            # the scheduler resolves the model path itself (the launcher already converted / cached it)
-            "scheduler": (run_scheduler_process, (self.args, tokenizer_path, names)),
-            "detokenizer": (run_detokenizer_process, (self.args.log_level, tokenizer_path, names)),
-        }
-        for name, (target, extra) in targets.items():
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=target, args=(*extra, writer), name=f"treespec-{name}", daemon=True)
-            proc.start()
-            writer.close()
-            self.procs[name], readers[name] = proc, reader
-        return self._wait_ready(readers)
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=target, args=(*args, writer), name=f"treespec-{name}", daemon=True)
+        proc.start()
+        writer.close()
+        self.procs[name] = proc
+        return self._wait_ready({name: reader})[name]
 
     def _wait_ready(self, readers: dict) -> dict:
         infos: dict = {}
@@ -92,6 +94,8 @@ class Launcher:
                     msg = {"status": "error", "message": f"exited during start-up (code {self.procs[name].exitcode})"}
                 if msg.get("status") != "ready":
                     detail = msg.get("traceback") or ""
+                    if msg.get("user_error"):  # a bad flag: its message names it; no traceback
+                        raise StartupError(msg["message"])
                     raise StartupError(f"the {name} process failed to start: {msg.get('message')}\n{detail}")
                 infos[name] = msg
                 del pending[name]
@@ -172,8 +176,6 @@ def _model_name(args: ServerArgs) -> str:
     if args.served_model_name:
         return args.served_model_name
     if args.model_path is None:
-        from treespec.model_loader import DEFAULT_MODEL_NAME
-
         return DEFAULT_MODEL_NAME
     return args.model_path
 
@@ -214,7 +216,6 @@ def launch_server(args: ServerArgs) -> int:
 def _serve(launcher: Launcher, args: ServerArgs) -> int:
     import uvicorn
 
-    from treespec.model_loader import ModelPathError, resolve_model_path
     from treespec.request_checks import ModelLimits
     from treespec.server.http_server import ServerState, create_app
     from treespec.server.io_struct import IpcNames
@@ -222,13 +223,9 @@ def _serve(launcher: Launcher, args: ServerArgs) -> int:
     from treespec.tokenizer import load_tokenizer
 
     _check_port_free(args.host, args.port)
-    try:
-        model_dir = str(resolve_model_path(args.model_path))
-    except ModelPathError as e:
-        raise StartupError(str(e)) from None
-    tokenizer_path = args.tokenizer_path or model_dir
     names = IpcNames.in_dir(launcher.sock_dir)
-    info = launcher.start_children(tokenizer_path, names)["scheduler"]
+    info = launcher.start_children(names)
+    model_dir, tokenizer_path = info["model_dir"], info["tokenizer_path"]
     limits = ModelLimits(info["context_len"], info["max_total_num_tokens"], info["vocab_size"])
     tokenizer = load_tokenizer(tokenizer_path)
     state = ServerState(args, model_dir, str(tokenizer_path), _model_name(args), limits,

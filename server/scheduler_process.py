@@ -155,16 +155,23 @@ class SchedulerLoop:
         return stats
 
 
-def run_scheduler_process(args: ServerArgs, tokenizer_path: str, names: IpcNames, ready: Connection) -> None:
-    """Process entry point: load the model, report readiness on `ready`, then serve forever."""
+def run_scheduler_process(args: ServerArgs, names: IpcNames, ready: Connection) -> None:
+    """Process entry point: resolve and load the model, report readiness (with the model folder, whose
+    tokenizer the other processes load) on `ready`, then serve forever."""
     setup_child("scheduler", args.log_level)
     ctx = zmq.Context()
     try:
+        from treespec.args import ArgError
+        from treespec.model_loader import ModelPathError
         from treespec.scheduler import Scheduler
         from treespec.tokenizer import load_tokenizer
 
-        scheduler = Scheduler(args)
-        scheduler.tokenizer = load_tokenizer(tokenizer_path)
+        try:
+            scheduler = Scheduler(args)
+        except (ArgError, ModelPathError) as e:  # a bad --model-path / --device: the message names it
+            ready.send({"status": "error", "message": str(e), "user_error": True})
+            return
+        scheduler.tokenizer = load_tokenizer(args.tokenizer_path or scheduler.model_dir)
         loop = SchedulerLoop(scheduler, names, ctx)
     except Exception as e:  # report the load failure to the launcher, which prints it and exits
         ready.send({"status": "error", "message": f"{type(e).__name__}: {e}",

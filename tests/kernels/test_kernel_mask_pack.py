@@ -1,11 +1,15 @@
 import torch
 
+from treespec.attention.metadata import build_metadata
 from treespec.kernels.mask_pack import (
+    pack_masks,
     packed_segment_indptr,
     segment_packbits,
+    segment_packbits_numpy,
     segment_packbits_torch,
     segment_packbits_triton,
     segment_unpackbits,
+    segment_unpackbits_torch,
 )
 
 
@@ -57,3 +61,41 @@ def test_triton_matches_torch(triton_device: str):
         got = [t.cpu() for t in segment_packbits_triton(mask.to(triton_device), indptr.to(triton_device))]
         assert torch.equal(got[0], expected[0])
         assert torch.equal(got[1], expected[1])
+
+
+def test_numpy_path_matches_torch_reference():
+    """segment_packbits / segment_unpackbits on CPU go through numpy; the torch reference decides."""
+    generator = torch.Generator().manual_seed(2)
+    for num_segments, max_len in ((1, 1), (5, 40), (9, 300)):
+        mask, indptr = random_segments(generator, num_segments, max_len)
+        expected_packed, expected_indptr = segment_packbits_torch(mask, indptr)
+        packed, packed_indptr = segment_packbits_numpy(mask, indptr)
+        assert torch.equal(packed, expected_packed) and torch.equal(packed_indptr, expected_indptr)
+        assert torch.equal(segment_unpackbits(packed, packed_indptr, indptr),
+                           segment_unpackbits_torch(packed, packed_indptr, indptr))
+
+
+def test_pack_masks_keeps_requests_byte_aligned():
+    # 2x3 (6 bits -> 1 byte) then 3x5 (15 bits -> 2 bytes): request 1 starts at byte 1, not bit 6
+    first = torch.tensor([[1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    second = torch.rand(3, 5, generator=torch.Generator().manual_seed(3)) < 0.5
+    packed, packed_indptr = pack_masks([first, second])
+    assert packed_indptr.tolist() == [0, 1, 3] and packed_indptr.dtype == torch.int32
+    assert packed[0] == 0x2B
+    bits = segment_unpackbits(packed, packed_indptr, torch.tensor([0, 6, 21]))
+    assert torch.equal(bits, torch.cat([first.flatten(), second.flatten()]))
+    empty_packed, empty_indptr = pack_masks([])
+    assert empty_packed.numel() == 0 and empty_indptr.tolist() == [0]
+
+
+def test_metadata_unpacked_mask_is_the_row_major_concatenation():
+    """AttentionMetadata packs per-request masks and hands back the flat boolean mask FlashInfer takes."""
+    generator = torch.Generator().manual_seed(4)
+    qo_lens, kv_lens = [3, 1, 4], [10, 6, 13]
+    masks = [torch.rand(q, k, generator=generator) < 0.5 for q, k in zip(qo_lens, kv_lens, strict=True)]
+    slots = [torch.arange(k) for k in kv_lens]
+    meta = build_metadata(qo_lens, slots, masks)
+    assert meta.mask_indptr.tolist() == [0, 4, 5, 12]  # ceil(30/8), ceil(6/8), ceil(52/8) bytes
+    assert meta.mask_bit_indptr().tolist() == [0, 30, 36, 88]
+    assert torch.equal(meta.unpacked_mask(), torch.cat([m.flatten() for m in masks]))
+    assert build_metadata(qo_lens, slots).unpacked_mask() is None

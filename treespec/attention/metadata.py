@@ -5,8 +5,10 @@ to (cached prefix *and* the new tokens, which are written to the pool before att
 kv_indices[kv_indptr[b]:kv_indptr[b+1]]. Without a custom mask attention is causal aligned to the
 bottom-right (query i of a request of qo_len q and kv_len k sees kv columns <= k - q + i), which
 covers EXTEND and DECODE. With a custom mask (TARGET_VERIFY, draft tree modes) each request's
-[qo_len, kv_len] boolean matrix is flattened row-major and bit-packed with little bit order;
-mask_indptr holds the byte offset of each request's packed mask.
+[qo_len, kv_len] boolean matrix is flattened row-major and bit-packed with little bit order
+(kernels/mask_pack.py); mask_indptr holds the byte offset of each request's packed mask. The torch
+backend and the CPU kernel read the packed mask; FlashInfer is handed the boolean mask
+(`unpacked_mask`, see flashinfer_backend.py for why).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
+
+from treespec.kernels.mask_pack import pack_masks, segment_unpackbits
 
 
 @dataclass
@@ -30,6 +34,20 @@ class AttentionMetadata:
     def batch_size(self) -> int:
         return int(self.qo_indptr.numel()) - 1
 
+    def mask_bit_indptr(self) -> torch.Tensor:
+        """[bs + 1] offsets of each request's qo_len * kv_len mask elements in the unpacked mask."""
+        sizes = (self.qo_indptr[1:] - self.qo_indptr[:-1]) * (self.kv_indptr[1:] - self.kv_indptr[:-1])
+        indptr = torch.zeros(sizes.numel() + 1, dtype=torch.int64, device=sizes.device)
+        torch.cumsum(sizes.to(torch.int64), 0, out=indptr[1:])
+        return indptr
+
+    def unpacked_mask(self) -> torch.Tensor | None:
+        """The custom mask as one flat bool tensor: the requests' row-major [qo_len, kv_len] masks
+        concatenated (None when attention is causal)."""
+        if self.custom_mask is None:
+            return None
+        return segment_unpackbits(self.custom_mask, self.mask_indptr, self.mask_bit_indptr())
+
 
 def build_metadata(
     qo_lens: list[int],
@@ -39,8 +57,6 @@ def build_metadata(
 ) -> AttentionMetadata:
     """Assemble metadata from per-request query lengths, KV slot ids and optional bool masks
     ([qo_len, kv_len] each)."""
-    from treespec.attention.mask import pack_bool_masks
-
     # Host lists first, one tensor each: this runs several times per speculative step.
     qo_indptr = torch.tensor([0, *accumulate(qo_lens)], dtype=torch.int32)
     kv_indptr = torch.tensor([0, *accumulate(int(s.numel()) for s in kv_slot_lists)], dtype=torch.int32)
@@ -49,7 +65,7 @@ def build_metadata(
     )
     custom_mask = mask_indptr = None
     if custom_masks is not None:
-        custom_mask, mask_indptr = pack_bool_masks(custom_masks)
+        custom_mask, mask_indptr = pack_masks(custom_masks)
         custom_mask, mask_indptr = custom_mask.to(device), mask_indptr.to(device)
     return AttentionMetadata(
         qo_indptr=qo_indptr.to(device),

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from treespec.attention.mask import unpackbits_little
 from treespec.attention.metadata import AttentionMetadata
 from treespec.kernels import cpu_attention
 
@@ -25,13 +24,14 @@ def request_masks(meta: AttentionMetadata) -> list[torch.Tensor | None]:
     """Per request, the [qo_len, kv_len] bool mask (None = no masking needed: decode row sees all)."""
     qo = meta.qo_indptr.tolist()
     kv = meta.kv_indptr.tolist()
-    mask_ptr = meta.mask_indptr.tolist() if meta.mask_indptr is not None else None
+    unpacked = meta.unpacked_mask()
     masks: list[torch.Tensor | None] = []
+    offset = 0
     for b in range(len(qo) - 1):
         q_len, kv_len = qo[b + 1] - qo[b], kv[b + 1] - kv[b]
-        if meta.custom_mask is not None:
-            packed = meta.custom_mask[mask_ptr[b] : mask_ptr[b + 1]]
-            masks.append(unpackbits_little(packed, q_len * kv_len).view(q_len, kv_len))
+        if unpacked is not None:
+            masks.append(unpacked[offset : offset + q_len * kv_len].view(q_len, kv_len))
+            offset += q_len * kv_len
         elif q_len == 1:
             masks.append(None)
         else:

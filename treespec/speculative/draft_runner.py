@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 
 from treespec.attention.metadata import AttentionMetadata, build_metadata
-from treespec.forward_batch import ForwardBatch, ForwardMode, ModelOutput
+from treespec.attention.select import create_attn_backend
+from treespec.forward_batch import ForwardBatch, ForwardContext, ForwardMode, ModelOutput
 from treespec.mem.kv_pool import KVPool
-from treespec.model_runner import ModelRunner, create_attn_backend
+from treespec.model_runner import ModelRunner
 from treespec.models.draft_loader import DraftModel, load_draft_model, load_token_map
 from treespec.models.layers import use_cpu_kernels
 from treespec.models.packed_linear import pack_linears, pack_weight
@@ -46,13 +47,14 @@ class DraftRunner:
         self.config = dcfg
         self.kv_pool = KVPool(target.kv_pool.size, dcfg.num_layers, dcfg.num_kv_heads, dcfg.head_dim,
                               self.dtype, self.device)
-        self.attn_backend = create_attn_backend(self.device, dtype=self.dtype)
+        self.attn_backend = create_attn_backend(self.device, dcfg, self.dtype)  # the target's selection
+        self.forward_context = ForwardContext(self.kv_pool, self.attn_backend)
         self.hot_token_map = getattr(self.model, "hot_token_map", None)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ModelOutput:
         self.attn_backend.init_forward_metadata(batch.attn)
-        return self.model(batch, self)
+        return self.model(batch, self.forward_context)
 
     def clamp_positions(self, positions: torch.Tensor) -> torch.Tensor:
         # Tree nodes past the context length are never emitted (max_new_tokens stops first); clamping
