@@ -164,11 +164,12 @@ class ServerArgs:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", default=f.default)
+                parser.add_argument(flag, action="store_true", default=f.default, help=FLAG_HELP[f.name])
                 continue
             kind = str(f.type)
             conv = int if kind.startswith("int") else float if kind.startswith("float") else str
-            parser.add_argument(flag, type=conv, default=f.default)
+            parser.add_argument(flag, type=conv, default=f.default,
+                                help=FLAG_HELP[f.name] + " (default: %(default)s)")
 
     @staticmethod
     def from_cli(argv: list[str] | None = None) -> ResolvedArgs:
@@ -180,6 +181,42 @@ class ServerArgs:
             return ServerArgs(**vars(ns)).resolve()
         except ArgError as e:
             parser.error(str(e))
+
+
+# What each flag means, as `--help` prints it (a test checks that every field has a line).
+FLAG_HELP = {
+    "model_path": "HF model folder or .gguf file; none = the embedded default (SmolLM2-135M-Instruct)",
+    "tokenizer_path": "tokenizer folder (default: the model's)",
+    "served_model_name": "model name reported by the OpenAI routes",
+    "dtype": "auto | float32 | bfloat16 | float16; auto = float32 on CPU (exact speculation), bfloat16 on CUDA",
+    "device": "auto | cpu | cuda | cuda:N; auto = CUDA when available",
+    "context_length": "maximum tokens per sequence (default: the model's)",
+    "max_total_tokens": "KV pool size in tokens, shared by all requests (default: 65536)",
+    "max_running_requests": "requests decoded together at most",
+    "chunked_prefill_size": "prompt tokens prefilled per step at most (longer prompts go in chunks)",
+    "max_prefill_tokens": "tokens in one prefill batch at most",
+    "schedule_policy": "lpm (longest cached prefix first) | fcfs",
+    "disable_radix_cache": "do not share cached prefixes between requests",
+    "page_size": "KV page size (only 1 so far)",
+    "schedule_conservativeness": "scale of the decode headroom reserved at admission (lower admits more)",
+    "speculative_algorithm": "auto | NONE | EAGLE | EAGLE3; auto = EAGLE3 with the shipped head on the default model",
+    "speculative_draft_model_path": "draft head folder (default: the shipped head for the default model)",
+    "speculative_num_steps": "draft depth: draft forwards per step",
+    "speculative_eagle_topk": "branches kept per draft step (1 = a chain)",
+    "speculative_num_draft_tokens": "tree nodes verified per step, the root included",
+    "speculative_config": "JSON schedule of speculative settings by running batch size",
+    "speculative_draft_dtype": "auto (= the target's) | float32 | bfloat16 | float16",
+    "speculative_token_map": "EAGLE: hot-token list the draft picks from; none turns off a shipped head's list",
+    "host": "HTTP host",
+    "port": "HTTP port",
+    "api_key": "require this key as a Bearer token (all routes but /health)",
+    "log_level": "debug | info | warning | error",
+    "num_threads": "torch intra-op threads (default: torch's)",
+    "disable_packed_linear": "CPU: plain F.linear instead of the packed-weight matmul kernel (same outputs, slower)",
+    "disable_block_quant": "CPU, GGUF models: stream fp32 weights instead of the 32-block quant codes (same outputs)",
+    "random_seed": "base seed for requests that set none",
+    "skip_warmup": "serve without the warm-up request",
+}
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from treespec.args import ArgError, ResolvedArgs, ServerArgs
+from treespec.args import FLAG_HELP, ArgError, ResolvedArgs, ServerArgs
 
 
 def test_resolve_leaves_server_args_unchanged_and_is_repeatable():
@@ -214,3 +214,11 @@ def test_shipped_eagle_head_ships_a_token_map():
     assert resolved.speculative_token_map == str(shipped / "token_map.pt")
     ids = load_token_map(resolved.speculative_token_map, 49152)  # SmolLM2's vocabulary
     assert ids.numel() == 8192
+
+
+def test_every_flag_has_help_text(capsys):
+    assert set(FLAG_HELP) == {f.name for f in dataclasses.fields(ServerArgs)}
+    with pytest.raises(SystemExit):
+        ServerArgs.from_cli(["--help"])
+    out = capsys.readouterr().out
+    assert "KV pool size in tokens" in out and "(default: 30000)" in out
