@@ -11,19 +11,11 @@ from __future__ import annotations
 import pytest
 
 from tests.cuda.conftest import requires_cuda
+from tests.treespec.test_engine import CHAT_PROMPTS
 
 pytestmark = requires_cuda
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain gravity in one sentence.",
-    "List three fruits and their colors.",
-    "How do I reverse a list in Python?",
-    "Give me a tip for learning to cook.",
-    "What is 17 times 23?",
-    "Describe a sunset to someone who has never seen one.",
-]
+PROMPTS = CHAT_PROMPTS  # the same short chat prompts as the CPU engine tests
 MAX_NEW_TOKENS = 64
 GREEDY = {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS}
 
