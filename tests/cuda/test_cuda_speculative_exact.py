@@ -21,7 +21,8 @@ GREEDY = {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS}
 
 
 def generate_both(dtype: str, batched: bool) -> tuple[list[list[int]], list[list[int]], object]:
-    from treespec.engine import Engine, chat_input_ids
+    from treespec.engine import Engine
+    from treespec.tokenizer import chat_input_ids
 
     outputs, engines = [], []
     for algorithm in ("NONE", "auto"):  # plain; the default model's EAGLE-3 head

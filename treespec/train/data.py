@@ -68,7 +68,7 @@ def split_conversations(convs: list[list[dict]], holdout: int) -> tuple[list[lis
 
 def prompt_ids(tokenizer, user_text: str, max_prompt_tokens: int) -> list[int]:
     """Chat-templated ids of a single user turn (its text cut to `max_prompt_tokens` tokens)."""
-    from treespec.engine import chat_input_ids
+    from treespec.tokenizer import chat_input_ids
 
     ids = tokenizer.encode(user_text, add_special_tokens=False)[:max_prompt_tokens]
     return chat_input_ids(tokenizer, [{"role": "user", "content": tokenizer.decode(ids)}])
@@ -84,7 +84,7 @@ def holdout_prompts(tokenizer, path: str | Path | None, holdout: int, num: int,
 def format_conversation(tokenizer, msgs: list[dict], max_seq_len: int) -> dict:
     """Whole conversation through the chat template; loss on assistant tokens (found by rendering
     growing prefixes, which works for any template that renders prefixes consistently)."""
-    from treespec.engine import chat_input_ids
+    from treespec.tokenizer import chat_input_ids
 
     ids: list[int] = []
     mask: list[int] = []

@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treespec.engine import Engine, chat_input_ids
+from treespec.engine import Engine
 from treespec.models.draft_loader import load_draft_model
+from treespec.tokenizer import chat_input_ids
 from treespec.train.features import load_target, target_forward
 from treespec.train.unroll import draft_logits, unroll
 
