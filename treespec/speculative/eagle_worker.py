@@ -176,7 +176,7 @@ class EagleWorker:
         bs = len(reqs)
         kv_lens = [r.kv_len for r in reqs]
         prefix_slots = [self.req_to_token_pool.read(r.req_pool_idx, 0, k) for r, k in zip(reqs, kv_lens, strict=True)]
-        roots = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64)
+        roots = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=self.device)
         if shape.num_steps == 0:
             tree = root_only_tree(roots, kv_lens)
         else:

@@ -50,10 +50,11 @@ def make_draft_tree(
 
 def root_only_tree(root_tokens: torch.Tensor, kv_lens: list[int]) -> DraftTree:
     """A one-node tree per request (no draft): verifying it is a plain decode step."""
-    bs = root_tokens.numel()
-    none = torch.full((bs, 1), -1, dtype=torch.int64)
-    return DraftTree(root_tokens.view(bs, 1), torch.tensor(kv_lens, dtype=torch.int64),
-                     torch.ones(bs, 1, 1, dtype=torch.bool), torch.arange(bs).view(bs, 1), none, none.clone(), 0)
+    bs, device = root_tokens.numel(), root_tokens.device
+    none = torch.full((bs, 1), -1, dtype=torch.int64, device=device)
+    return DraftTree(root_tokens.view(bs, 1), torch.tensor(kv_lens, dtype=torch.int64, device=device),
+                     torch.ones(bs, 1, 1, dtype=torch.bool, device=device),
+                     torch.arange(bs, device=device).view(bs, 1), none, none.clone(), 0)
 
 
 def verify_batch(
