@@ -13,6 +13,12 @@ The roofline columns bound what any runtime can reach: a decode step streams eve
 once, so decode tok/s <= batch * bandwidth / weight bytes, with the bandwidth measured here by a large
 matrix-vector product. "vs hf" is that bound over transformers' measured decode: a runtime speed-up
 over transformers above it is impossible on this machine.
+
+The ceiling columns judge our own decode against the memory: "read GB/s" is this machine's read
+bandwidth (the best of several sums over a 1 GiB array), "MB/tok" the bytes our batch-1 decode step
+streams (the packed matmul weights as laid out for our kernels, e.g. GGUF block codes and scales, plus
+the norms and the KV of the mean context), "ceiling" read bandwidth / those bytes, and "share" our
+measured batch-1 decode tok/s over that ceiling.
 """
 
 from __future__ import annotations
@@ -65,6 +71,48 @@ def weight_stream_gb_s(dtype: torch.dtype, repeats: int = 5) -> float:
     return best
 
 
+def read_bandwidth_gb_s(gib: float = 1.0, repeats: int = 5) -> float:
+    """Read bandwidth: the best of `repeats` sums over a `gib` GiB fp32 array (far larger than caches)."""
+    data = torch.ones(int(gib * 2**30) // 4)
+    data.sum()  # first touch
+    best = min(_timed(data.sum) for _ in range(repeats))
+    return data.numel() * 4 / best / 1e9
+
+
+def _timed(call) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def streamed_bytes_per_token(model: torch.nn.Module, kv_bytes_per_position: int, context_len: int) -> int:
+    """Bytes one batch-1 decode step of our model reads: every matmul weight in the layout our kernels
+    stream (packed data and block scales; a dense weight where nothing is packed), the other parameters
+    a step reads (norms, biases; of the embedding only one row), and the KV of `context_len` positions."""
+    from treespec.models.packed_linear import PackedLinear, PackedWeight
+
+    def packed_bytes(p: PackedWeight) -> int:
+        extra = p.scale_min.numel() * p.scale_min.element_size() if p.scale_min is not None else 0
+        return p.data.numel() * p.data.element_size() + extra
+
+    total = 0
+    packed_head = getattr(model, "packed_lm_head", None)
+    embed = getattr(model, "embed_tokens", None)
+    skip = {id(embed.weight)} if embed is not None else set()
+    if packed_head is not None:
+        total += packed_bytes(packed_head)
+        skip.add(id(model.lm_head_weight))  # the dense copy is kept for drafts, not read here
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            total += packed_bytes(module.packed)
+    for param in {id(p): p for p in model.parameters()}.values():
+        if id(param) not in skip:
+            total += param.numel() * param.element_size()
+    if embed is not None:
+        total += embed.weight[0].numel() * embed.weight.element_size()
+    return total + kv_bytes_per_position * context_len
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", default=None)
@@ -93,6 +141,11 @@ def main() -> None:
         # Roofline: a batch-1 decode step reads every weight once, so it cannot beat bytes / bandwidth.
         weight_gb = sum(p.numel() * p.element_size() for p in hf.parameters()) / 1e9
         bandwidth = weight_stream_gb_s(getattr(torch, dtype))
+        read_gb_s = read_bandwidth_gb_s()
+        cfg = engine.scheduler.model_config
+        kv_per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+        mean_context = args.input_len + args.output_len // 2
+        stream_bytes = streamed_bytes_per_token(engine.scheduler.runner.model, kv_per_position, mean_context)
         for bs in [int(b) for b in args.batch_sizes.split(",")]:
             gen = torch.Generator().manual_seed(bs)
             prompts = torch.randint(100, vocab, (bs, args.input_len), generator=gen).tolist()
@@ -120,6 +173,9 @@ def main() -> None:
             row["roofline_decode_tok_s"] = bs * bandwidth / weight_gb
             row["roofline_vs_hf"] = row["roofline_decode_tok_s"] / row["hf_decode_tok_s"]
             row["prefill_speedup"] = row["treespec_prefill_tok_s"] / row["hf_prefill_tok_s"]
+            row["read_bandwidth_gb_s"], row["streamed_mb_per_token"] = read_gb_s, stream_bytes / 1e6
+            row["bandwidth_ceiling_tok_s"] = read_gb_s * 1e9 / stream_bytes  # one sequence: batch 1
+            row["ceiling_share"] = row["treespec_decode_tok_s"] / bs / row["bandwidth_ceiling_tok_s"]
             rows.append(row)
             print_row(row)
         del engine, hf
@@ -130,13 +186,16 @@ def main() -> None:
 
 def print_row(row: dict) -> None:
     if not getattr(print_row, "header", False):
-        print(f"{'dtype':>9} {'bs':>3} | {'prefill tok/s':>27} | {'decode tok/s':>27} | {'roofline':>17}")
+        print(f"{'dtype':>9} {'bs':>3} | {'prefill tok/s':>27} | {'decode tok/s':>27} | {'roofline':>17} |"
+              f" {'bandwidth ceiling, per sequence':>37}")
         print(f"{'':>9} {'':>3} | {'treespec':>9} {'hf':>8} {'ratio':>7} | {'treespec':>9} {'hf':>8} {'ratio':>7} |"
-              f" {'tok/s':>7} {'vs hf':>8}")
+              f" {'tok/s':>7} {'vs hf':>8} | {'read GB/s':>9} {'MB/tok':>7} {'ceiling':>8} {'share':>7}")
         print_row.header = True
     print(f"{row['dtype']:>9} {row['batch_size']:>3} | {row['treespec_prefill_tok_s']:9.1f} {row['hf_prefill_tok_s']:8.1f} "
           f"{row['prefill_speedup']:6.2f}x | {row['treespec_decode_tok_s']:9.1f} {row['hf_decode_tok_s']:8.1f} "
-          f"{row['decode_speedup']:6.2f}x | {row['roofline_decode_tok_s']:7.1f} {row['roofline_vs_hf']:7.2f}x", flush=True)
+          f"{row['decode_speedup']:6.2f}x | {row['roofline_decode_tok_s']:7.1f} {row['roofline_vs_hf']:7.2f}x |"
+          f" {row['read_bandwidth_gb_s']:9.1f} {row['streamed_mb_per_token']:7.1f} {row['bandwidth_ceiling_tok_s']:8.1f}"
+          f" {row['ceiling_share']:6.0%}", flush=True)
 
 
 if __name__ == "__main__":
