@@ -76,24 +76,27 @@ class NgramCache:
         length = len(tokens)
         first_new = 0 if num_new is None else max(0, length - num_new)
         depth_limit = self.config.branch_length
+        recency, move_to_end = self._recency, self._recency.move_to_end  # local names: the hot loop
         for start in range(max(0, first_new - depth_limit + 1), length):
             self._clock += 1  # later occurrences are more recent, also within one call
-            node, path = self.root, []
+            clock, node, path = self._clock, self.root, []
             for j in range(start, min(start + depth_limit, length)):
-                child = node.children.get(tokens[j]) if node.children else None
+                token = tokens[j]
+                children = node.children
+                child = children.get(token) if children else None
                 if child is None:
-                    child = _Node(tokens[j], node)
-                    if node.children is None:
-                        node.children = {}
-                    node.children[tokens[j]] = child
-                    self._recency[child] = None
+                    child = _Node(token, node)
+                    if children is None:
+                        children = node.children = {}
+                    children[token] = child
+                    recency[child] = None
                 if j >= first_new:
                     child.count += 1
                 path.append(child)
                 node = child
             for touched in reversed(path):  # deepest first: ancestors end up newer than descendants
-                touched.tick = self._clock
-                self._recency.move_to_end(touched)
+                touched.tick = clock
+                move_to_end(touched)
         self._evict()
 
     def _evict(self) -> None:
