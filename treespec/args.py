@@ -264,7 +264,7 @@ FLAG_HELP = {
                                          "(breadth falls linearly with the match length)",
     "speculative_ngram_branch_length": "NGRAM: longest n-gram stored (how many recent tokens each insert spans)",
     "speculative_ngram_capacity": "NGRAM: n-gram cache size in trie nodes, shared by all requests; least "
-                                  "recently used branches are evicted (~0.3 KB per node)",
+                                  "recently used branches are evicted (~0.4 KB of host memory per node)",
     "host": "HTTP host",
     "port": "HTTP port",
     "api_key": "require this key as a Bearer token (all routes but /health)",
