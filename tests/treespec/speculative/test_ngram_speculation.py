@@ -175,3 +175,14 @@ def test_capacity_flag_bounds_the_shared_cache(model_dirs, references) -> None:
     assert isinstance(cache, NgramCache) and cache.config.capacity == 64
     assert run_all(engine, batch_size=4) == references["lookup"]
     assert len(cache) == 64  # full, and never above: every insert evicts down to the bound
+
+
+def test_radix_cache_keys_on_tokens_under_ngram(model_dirs, references) -> None:
+    """No draft KV, so no bigram keys: a repeated prompt hits all but its last token, same output."""
+    engine = engine_for(model_dirs, "lookup", ngram=True)
+    assert not engine.scheduler.cache.bigram_keys
+    first = engine.generate(input_ids=PROMPTS[0], sampling_params=PARAMS[0])
+    again = engine.generate(input_ids=PROMPTS[0], sampling_params=PARAMS[0])
+    assert first["output_ids"] == again["output_ids"] == references["lookup"][0]
+    assert again["meta_info"]["cached_tokens"] == len(PROMPTS[0]) - 1
+    engine.check_pool_balance()
