@@ -26,9 +26,17 @@ class ArgError(ValueError):
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default model (model_path None)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-SPECULATIVE_ALGORITHMS = ("NONE", "EAGLE", "EAGLE3")
+SPECULATIVE_ALGORITHMS = ("NONE", "EAGLE", "EAGLE3", "NGRAM")
 # the tree shape for a draft model other than a shipped head when none of the three flags is given
 GENERIC_SPECULATIVE_SHAPE = (5, 4, 8)  # (num_steps, eagle_topk, num_draft_tokens)
+# NGRAM's tree size when --speculative-num-draft-tokens is not given: 8 nodes keep every verify row on
+# the CPU's batch-invariant attention kernel (rows of up to 8 queries), as EAGLE's defaults do
+NGRAM_DEFAULT_DRAFT_TOKENS = 8
+# flags that configure a draft model or its EAGLE tree; NGRAM has neither and refuses them
+EAGLE_ONLY_FLAGS = {"speculative_draft_model_path": "--speculative-draft-model-path",
+                    "speculative_num_steps": "--speculative-num-steps",
+                    "speculative_eagle_topk": "--speculative-eagle-topk",
+                    "speculative_config": "--speculative-config"}
 
 
 def _check(ok: bool, flag: str, msg: str) -> None:
@@ -58,7 +66,7 @@ class ServerArgs:
     schedule_conservativeness: float = 1.0
     # speculative decoding
     # auto: EAGLE3 with the shipped head when serving the embedded default model, else NONE
-    speculative_algorithm: str = "auto"  # auto | NONE | EAGLE | EAGLE3
+    speculative_algorithm: str = "auto"  # auto | NONE | EAGLE | EAGLE3 | NGRAM
     speculative_draft_model_path: str | None = None
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
@@ -67,6 +75,13 @@ class ServerArgs:
     speculative_draft_dtype: str = "auto"  # auto (= the target's) | float32 | bfloat16 | float16
     # EAGLE heads: hot-token list (FR-Spec) the draft picks from; "none" turns off a shipped head's list
     speculative_token_map: str | None = None
+    # NGRAM: drafts from a trie of the n-grams in all requests' text (treespec/speculative/ngram_cache.py)
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    speculative_ngram_min_bfs_breadth: int = 1
+    speculative_ngram_max_bfs_breadth: int = 10
+    speculative_ngram_branch_length: int = 18
+    speculative_ngram_capacity: int = 1_000_000  # trie nodes (SGLang: 10M, in C++)
     # server
     host: str = "127.0.0.1"
     port: int = 30000
@@ -96,7 +111,39 @@ class ServerArgs:
         _check(self.num_threads is None or self.num_threads > 0, "--num-threads", "must be positive")
         _check(self.device in ("auto", "cpu", "cuda") or self.device.removeprefix("cuda:").isdigit(), "--device",
                f"unknown device {self.device!r}")
+        self._check_ngram()
         return ResolvedArgs(**{**dataclasses.asdict(self), **self._resolve_speculative()})
+
+    def _check_ngram(self) -> None:
+        """The NGRAM flags (checked whatever the algorithm, so a bad value never waits to bite)."""
+        positive = [("speculative_ngram_min_match_window_size", "--speculative-ngram-min-match-window-size"),
+                    ("speculative_ngram_max_match_window_size", "--speculative-ngram-max-match-window-size"),
+                    ("speculative_ngram_min_bfs_breadth", "--speculative-ngram-min-bfs-breadth"),
+                    ("speculative_ngram_max_bfs_breadth", "--speculative-ngram-max-bfs-breadth"),
+                    ("speculative_ngram_capacity", "--speculative-ngram-capacity")]
+        for name, flag in positive:
+            _check(getattr(self, name) >= 1, flag, "must be a positive integer")
+        _check(self.speculative_ngram_max_match_window_size >= self.speculative_ngram_min_match_window_size,
+               "--speculative-ngram-max-match-window-size", "must be >= --speculative-ngram-min-match-window-size")
+        _check(self.speculative_ngram_max_bfs_breadth >= self.speculative_ngram_min_bfs_breadth,
+               "--speculative-ngram-max-bfs-breadth", "must be >= --speculative-ngram-min-bfs-breadth")
+        _check(self.speculative_ngram_branch_length >= 2, "--speculative-ngram-branch-length",
+               "must be >= 2 (a matched token and one continuation)")
+
+    def _resolve_ngram(self) -> dict:
+        """NGRAM: no draft model and no EAGLE tree flags (each given one is an error naming it); the tree
+        size is --speculative-num-draft-tokens (default NGRAM_DEFAULT_DRAFT_TOKENS). The EAGLE shape fields
+        are derived for display: num_steps = the deepest tree (num_draft_tokens - 1), eagle_topk = the
+        widest branching (--speculative-ngram-max-bfs-breadth)."""
+        for name, flag in EAGLE_ONLY_FLAGS.items():
+            _check(getattr(self, name) is None, flag,
+                   "applies to EAGLE / EAGLE3 only; NGRAM sizes its tree with --speculative-num-draft-tokens")
+        ndraft = self.speculative_num_draft_tokens
+        ndraft = NGRAM_DEFAULT_DRAFT_TOKENS if ndraft is None else ndraft
+        _check(ndraft > 1, "--speculative-num-draft-tokens", "must be an integer >= 2")
+        return {"speculative_algorithm": "NGRAM", "speculative_num_steps": ndraft - 1,
+                "speculative_eagle_topk": self.speculative_ngram_max_bfs_breadth,
+                "speculative_num_draft_tokens": ndraft, "speculative_token_map": None}
 
     def _resolve_speculative(self) -> dict:
         """The speculative_* fields resolved: the algorithm; for the default model, the shipped head with
@@ -106,13 +153,15 @@ class ServerArgs:
             default_model = self.model_path is None and not self.speculative_draft_model_path
             algo = "EAGLE3" if default_model and drafts.shipped_draft_path("EAGLE3") is not None else "NONE"
         _check(algo in SPECULATIVE_ALGORITHMS, "--speculative-algorithm",
-               f"must be auto, NONE, EAGLE or EAGLE3, got {algo!r}")
+               f"must be auto, NONE, EAGLE, EAGLE3 or NGRAM, got {algo!r}")
         if algo == "NONE":
             return {"speculative_algorithm": algo}
         given_map = self.speculative_token_map
         asks_for_map = given_map is not None and given_map.lower() != "none"
         _check(not asks_for_map or algo == "EAGLE", "--speculative-token-map",
                "applies to --speculative-algorithm EAGLE only (EAGLE-3 heads bring their own draft vocabulary)")
+        if algo == "NGRAM":
+            return self._resolve_ngram()
         draft_path, token_map, schedule_path = self.speculative_draft_model_path, given_map, self.speculative_config
         shape = (self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens)
         if not draft_path and self.model_path is None:
@@ -199,14 +248,23 @@ FLAG_HELP = {
     "disable_radix_cache": "do not share cached prefixes between requests",
     "page_size": "KV page size (only 1 so far)",
     "schedule_conservativeness": "scale of the decode headroom reserved at admission (lower admits more)",
-    "speculative_algorithm": "auto | NONE | EAGLE | EAGLE3; auto = EAGLE3 with the shipped head on the default model",
-    "speculative_draft_model_path": "draft head folder (default: the shipped head for the default model)",
-    "speculative_num_steps": "draft depth: draft forwards per step",
-    "speculative_eagle_topk": "branches kept per draft step (1 = a chain)",
-    "speculative_num_draft_tokens": "tree nodes verified per step, the root included",
+    "speculative_algorithm": "auto | NONE | EAGLE | EAGLE3 | NGRAM; auto = EAGLE3 with the shipped head on the "
+                             "default model; NGRAM drafts from n-grams of all requests' text (no draft model)",
+    "speculative_draft_model_path": "EAGLE/EAGLE3: draft head folder (default: the shipped head for the default model)",
+    "speculative_num_steps": "EAGLE/EAGLE3: draft depth: draft forwards per step",
+    "speculative_eagle_topk": "EAGLE/EAGLE3: branches kept per draft step (1 = a chain)",
+    "speculative_num_draft_tokens": "tree nodes verified per step, the root included (NGRAM default: 8)",
     "speculative_config": "JSON schedule of speculative settings by running batch size",
     "speculative_draft_dtype": "auto (= the target's) | float32 | bfloat16 | float16",
     "speculative_token_map": "EAGLE: hot-token list the draft picks from; none turns off a shipped head's list",
+    "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix of the context matched against the n-gram cache",
+    "speculative_ngram_max_match_window_size": "NGRAM: longest suffix of the context matched (the longest match wins)",
+    "speculative_ngram_min_bfs_breadth": "NGRAM: children kept per draft node after the longest match",
+    "speculative_ngram_max_bfs_breadth": "NGRAM: children kept per draft node after the shortest match "
+                                         "(breadth falls linearly with the match length)",
+    "speculative_ngram_branch_length": "NGRAM: longest n-gram stored (how many recent tokens each insert spans)",
+    "speculative_ngram_capacity": "NGRAM: n-gram cache size in trie nodes, shared by all requests; least "
+                                  "recently used branches are evicted (~0.4 KB of host memory per node)",
     "host": "HTTP host",
     "port": "HTTP port",
     "api_key": "require this key as a Bearer token (all routes but /health)",
@@ -222,8 +280,9 @@ FLAG_HELP = {
 @dataclass(frozen=True)
 class ResolvedArgs(ServerArgs):
     """The flags after ServerArgs.resolve() (build it only that way): every check passed;
-    speculative_algorithm is NONE, EAGLE or EAGLE3; with speculation on, the draft path and the tree shape
-    are set (for the default model: the shipped head, its tuned shape, schedule and token map).
+    speculative_algorithm is NONE, EAGLE, EAGLE3 or NGRAM; with EAGLE / EAGLE3 the draft path and the tree
+    shape are set (for the default model: the shipped head, its tuned shape, schedule and token map); with
+    NGRAM num_draft_tokens is set (num_steps and eagle_topk derived from it and the ngram flags).
 
     Device and dtypes are settled where the model runs, by torch_device() / torch_dtype() /
     torch_draft_dtype(): "auto" needs torch to ask for CUDA, and the launcher (the HTTP process) never

@@ -39,7 +39,7 @@ INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY = 0.7, 0.1, 0.0
 PLAIN_STEP = SpecShape(0, 1, 1)  # a speculative step without drafts: the root alone is verified
 
 if TYPE_CHECKING:
-    from treespec.speculative.eagle_worker import SpecStepResult
+    from treespec.speculative.step_result import SpecStepResult, SpecWorker
 
 
 class Scheduler:
@@ -64,9 +64,15 @@ class Scheduler:
             self.cache = ChunkCache(self.req_to_token_pool, self.allocator)
         else:
             # EAGLE: the draft KV at position i depends on token i+1, so key the cache on bigrams
-            self.cache = RadixCache(self.req_to_token_pool, self.allocator, bigram_keys=self.spec_enabled)
-        self.spec_worker = None
-        if self.spec_enabled:
+            # (NGRAM has no draft KV: plain keys)
+            bigram_keys = args.speculative_algorithm in ("EAGLE", "EAGLE3")
+            self.cache = RadixCache(self.req_to_token_pool, self.allocator, bigram_keys=bigram_keys)
+        self.spec_worker: SpecWorker | None = None
+        if args.speculative_algorithm == "NGRAM":
+            from treespec.speculative.ngram_worker import NgramWorker
+
+            self.spec_worker = NgramWorker(args, self.runner, self.req_to_token_pool, self.allocator)
+        elif self.spec_enabled:
             from treespec.speculative.eagle_worker import EagleWorker
 
             self.spec_worker = EagleWorker(args, self.runner, self.req_to_token_pool, self.allocator)
@@ -239,7 +245,7 @@ class Scheduler:
                 rows = sorted(set(range(first, n)) | set(rows))
             logit_rows.append(rows)
         batch = build_extend_batch(reqs, lens, out_loc, self.req_to_token_pool, logit_rows, self.device)
-        if self.spec_worker is not None:
+        if self.spec_worker is not None and self.spec_worker.needs_target_hidden:
             batch.capture_layers = self.spec_worker.target_capture_layers
             output = self.runner.forward(batch, return_all_hidden=True)
         else:

@@ -222,3 +222,52 @@ def test_every_flag_has_help_text(capsys):
         ServerArgs.from_cli(["--help"])
     out = capsys.readouterr().out
     assert "KV pool size in tokens" in out and "(default: 30000)" in out
+
+
+def test_ngram_needs_no_draft_model_and_sizes_its_tree_with_num_draft_tokens():
+    resolved = ServerArgs(model_path="/some/model", speculative_algorithm="ngram").resolve()
+    assert resolved.speculative_algorithm == "NGRAM" and resolved.speculative_draft_model_path is None
+    # 8 nodes by default; num_steps / eagle_topk derived: the deepest tree, the widest branching
+    assert (resolved.speculative_num_draft_tokens, resolved.speculative_num_steps,
+            resolved.speculative_eagle_topk) == (8, 7, 10)
+    resolved = ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5,
+                          speculative_ngram_max_bfs_breadth=3).resolve()  # the default model: no shipped head used
+    assert (resolved.speculative_num_draft_tokens, resolved.speculative_num_steps,
+            resolved.speculative_eagle_topk, resolved.speculative_config) == (5, 4, 3, None)
+    assert ServerArgs(speculative_algorithm="NGRAM", speculative_token_map="none").resolve().speculative_token_map is None
+
+
+@pytest.mark.parametrize("field,value,flag", [
+    ("speculative_draft_model_path", "/some/head", "--speculative-draft-model-path"),
+    ("speculative_num_steps", 3, "--speculative-num-steps"),
+    ("speculative_eagle_topk", 2, "--speculative-eagle-topk"),
+    ("speculative_config", "/some/schedule.json", "--speculative-config"),
+    ("speculative_token_map", "/some/map.pt", "--speculative-token-map"),
+    ("speculative_num_draft_tokens", 1, "--speculative-num-draft-tokens"),
+])
+def test_ngram_refuses_eagle_flags_naming_them(field, value, flag):
+    with pytest.raises(ArgError, match=f"^{flag}"):
+        ServerArgs(speculative_algorithm="NGRAM", **{field: value}).resolve()
+
+
+@pytest.mark.parametrize("values,flag", [
+    ({"speculative_ngram_min_match_window_size": 0}, "--speculative-ngram-min-match-window-size"),
+    ({"speculative_ngram_min_match_window_size": 4, "speculative_ngram_max_match_window_size": 3},
+     "--speculative-ngram-max-match-window-size"),
+    ({"speculative_ngram_max_bfs_breadth": 0}, "--speculative-ngram-max-bfs-breadth"),
+    ({"speculative_ngram_min_bfs_breadth": 5, "speculative_ngram_max_bfs_breadth": 2},
+     "--speculative-ngram-max-bfs-breadth"),
+    ({"speculative_ngram_branch_length": 1}, "--speculative-ngram-branch-length"),
+    ({"speculative_ngram_capacity": 0}, "--speculative-ngram-capacity"),
+])
+@pytest.mark.parametrize("algorithm", ["NGRAM", "NONE"])
+def test_bad_ngram_flags_name_the_flag(values, flag, algorithm):
+    with pytest.raises(ArgError, match=f"^{flag}"):
+        ServerArgs(speculative_algorithm=algorithm, **values).resolve()
+
+
+def test_ngram_cli_flags_parse():
+    args = ServerArgs.from_cli(["--speculative-algorithm", "NGRAM", "--speculative-ngram-capacity", "5000",
+                                "--speculative-ngram-max-match-window-size", "6"])
+    assert (args.speculative_algorithm, args.speculative_ngram_capacity,
+            args.speculative_ngram_max_match_window_size) == ("NGRAM", 5000, 6)

@@ -10,16 +10,16 @@ draft model and its per-request state. One step is:
   1. `decode_step(reqs, shape)`: draft `shape.num_steps` levels with EAGLE-2 top-k expansion (scratch
      draft KV in slots taken under an allocator backup and given back right after), rerank to
      `shape.num_draft_tokens` nodes, build the tree, verify it with one TARGET_VERIFY forward, free the
-     rejected nodes' slots and return a `SpecStepResult`: per request the accepted tokens (drafts + the
-     bonus token) and the target KV slots of the accepted nodes, same count. Nothing else changes.
+     rejected nodes' slots and return a `SpecStepResult` (the verify half is
+     step_result.verify_tree_step, shared with the NGRAM worker): per request the accepted tokens
+     (drafts + the bonus token) and the target KV slots of the accepted nodes, same count. Nothing
+     else changes.
   2. The Scheduler commits the result (stop rules, req_to_token, kv_len, surplus slots freed).
   3. `draft_extend(reqs, result, committed)`: the draft over the committed tokens, so its KV and state
      are current for the next step.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -38,32 +38,13 @@ from treespec.speculative.expansion import (
     select_top_k_tokens,
 )
 from treespec.speculative.shapes import SpecSchedule, SpecShape
-from treespec.speculative.tree import (
-    DraftTree,
-    make_draft_tree,
-    root_only_tree,
-    split_accepted,
-    verify_batch,
-)
-from treespec.speculative.verify import token_logprobs, verify_tree_mixed
-
-
-@dataclass(frozen=True)
-class SpecStepResult:
-    """What one draft-and-verify step produced, per request (in the order of the step's requests)."""
-
-    tokens: list[list[int]]  # accepted draft tokens then the bonus token
-    kept_slots: list[torch.Tensor]  # target KV slots of the accepted nodes (root first), one per token
-    accepted_drafts: list[int]  # draft tokens the target accepted (bonus excluded)
-    # (logprob, top logprobs) per token under the target distribution, None where not asked for
-    logprobs: list[list[tuple[float, list]] | None]
-    # for the draft extend: each request's kv_len before the step, its accepted verify rows, the output
-    kv_lens: list[int]
-    accept_rows: list[torch.Tensor]
-    verify_output: ModelOutput
+from treespec.speculative.step_result import SpecStepResult, verify_tree_step
+from treespec.speculative.tree import DraftTree, make_draft_tree, root_only_tree
 
 
 class EagleWorker:
+    needs_target_hidden = True  # the draft extend reads the target's hidden state at every position
+
     def __init__(self, args: ServerArgs, target_runner: ModelRunner, req_to_token_pool: ReqToTokenPool,
                  allocator: TokenToKVPoolAllocator) -> None:
         if not args.speculative_draft_model_path:
@@ -173,7 +154,6 @@ class EagleWorker:
     def decode_step(self, reqs: list[Req], shape: SpecShape) -> SpecStepResult:
         """Draft a tree of `shape` per request (num_steps 0: the root alone, a plain step) and verify
         it. The Scheduler sized `shape` against the free KV slots; this only allocates what it needs."""
-        bs = len(reqs)
         kv_lens = [r.kv_len for r in reqs]
         prefix_slots = [self.req_to_token_pool.read(r.req_pool_idx, 0, k) for r, k in zip(reqs, kv_lens, strict=True)]
         roots = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=self.device)
@@ -182,17 +162,6 @@ class EagleWorker:
         else:
             tree = self._draft_tree(reqs, kv_lens, prefix_slots, roots, shape.num_steps, shape.topk,
                                     shape.num_draft_tokens)
-
-        verify_slots = self.allocator.alloc(bs * tree.num_nodes).view(bs, tree.num_nodes)
-        vbatch = verify_batch(tree, prefix_slots, verify_slots, self.draft.clamp_positions(tree.positions),
-                              self.target_capture_layers, self.device)
-        out = self.target.forward(vbatch, return_all_hidden=True)
-        predicts, accept_index, accept_length = verify_tree_mixed(reqs, out.logits, tree)
-        accept_rows, kept_slots, rejected = split_accepted(accept_index, accept_length, verify_slots)
-        self.allocator.free(rejected)
-        tokens = [predicts[rows].tolist() for rows in accept_rows]
-        logprobs = [
-            token_logprobs(req, out.logits[rows.to(self.device)], toks) if req.return_logprob else None
-            for req, rows, toks in zip(reqs, accept_rows, tokens, strict=True)
-        ]
-        return SpecStepResult(tokens, kept_slots, accept_length.tolist(), logprobs, kv_lens, accept_rows, out)
+        return verify_tree_step(reqs, tree, kv_lens, prefix_slots, self.target, self.allocator,
+                                self.draft.clamp_positions(tree.positions), self.target_capture_layers,
+                                return_all_hidden=True)

@@ -57,6 +57,57 @@ def root_only_tree(root_tokens: torch.Tensor, kv_lens: list[int]) -> DraftTree:
                      torch.arange(bs, device=device).view(bs, 1), none, none.clone(), 0)
 
 
+def tree_from_parents(root_tokens: torch.Tensor, draft_tokens: list[list[int]], parents: list[list[int]],
+                      kv_lens: list[int]) -> DraftTree:
+    """A DraftTree from explicit parent links (the NGRAM drafts), with kernels.build_tree's conventions:
+    node 0 is the root; draft i of request b is node i + 1 with parent node parents[b][i] (0 = the root,
+    else an earlier node); next_token = the smallest child, next_sibling = the next larger node with the
+    same parent. Requests with fewer drafts than the largest are padded with orphans (the root's token,
+    no parent, linked nowhere, depth 0) that are verified but never accepted. Siblings must carry
+    distinct tokens (tree sampling tries each token once). Built on the host: trees are small."""
+    bs = len(kv_lens)
+    n = 1 + max((len(t) for t in draft_tokens), default=0)
+    roots = root_tokens.tolist()
+    candidates, positions, next_token, next_sibling = [], [], [], []
+    ancestors = torch.zeros(bs, n, n, dtype=torch.bool)
+    max_depth = 0
+    for b in range(bs):
+        pad = n - 1 - len(draft_tokens[b])
+        if len(parents[b]) != len(draft_tokens[b]):
+            raise ValueError(f"request {b}: {len(draft_tokens[b])} draft tokens but {len(parents[b])} parents")
+        tokens = [roots[b], *draft_tokens[b]] + [roots[b]] * pad
+        parent = [-1, *parents[b]] + [-1] * pad
+        depth = [0] * n
+        children: list[list[int]] = [[] for _ in range(n)]
+        for t in range(n):
+            ancestors[b, t, t] = True
+            p = parent[t]
+            if p < 0:
+                continue
+            if p >= t:
+                raise ValueError(f"request {b}: node {t} has parent {p}; a parent must come first")
+            if any(tokens[c] == tokens[t] for c in children[p]):
+                raise ValueError(f"request {b}: node {p} has two children with token {tokens[t]}")
+            children[p].append(t)
+            depth[t] = depth[p] + 1
+            ancestors[b, t] |= ancestors[b, p]
+        for t in range(n):
+            next_token.append(children[t][0] if children[t] else -1)
+            later = [c for c in children[parent[t]] if c > t] if parent[t] >= 0 else []
+            next_sibling.append(later[0] if later else -1)
+        candidates.append(tokens)
+        positions.extend(kv_lens[b] + d for d in depth)
+        max_depth = max(max_depth, *depth)
+    device = root_tokens.device
+
+    def as_tensor(values: list, *shape: int) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).view(*shape).to(device)
+
+    return DraftTree(as_tensor(candidates, bs, n), as_tensor(positions, bs * n), ancestors.to(device),
+                     torch.arange(bs * n, device=device).view(bs, n), as_tensor(next_token, bs, n),
+                     as_tensor(next_sibling, bs, n), max_depth)
+
+
 def verify_batch(
     tree: DraftTree, prefix_slots: list[torch.Tensor], verify_slots: torch.Tensor,
     positions: torch.Tensor, capture_layers: tuple[int, ...], device: torch.device,

@@ -1,5 +1,5 @@
-"""Lossless speculative sampling: with EAGLE / EAGLE-3 speculation the first sampled tokens follow the
-exact distribution of plain sampling (temperature / top-k / top-p / min-p applied), by chi-square
+"""Lossless speculative sampling: with EAGLE / EAGLE-3 / NGRAM speculation the first sampled tokens follow
+the exact distribution of plain sampling (temperature / top-k / top-p / min-p applied), by chi-square
 goodness of fit against the distribution computed directly from the target."""
 
 from __future__ import annotations
@@ -14,10 +14,13 @@ from treespec.engine import Engine
 from treespec.sampling import apply_sampling_filters
 
 VOCAB, SAMPLES, PROMPT, HEAD_SCALE = 32, 2000, [3, 17, 9, 25, 4, 11], 0.1
-SETTINGS = [  # (algorithm, (steps, topk, draft tokens), sampling params)
+SETTINGS = [  # (algorithm, (steps, topk, draft tokens), sampling params); NGRAM: the draft tokens only
     ("EAGLE", (5, 4, 16), {"temperature": 1.0}),
     ("EAGLE3", (3, 1, 4), {"temperature": 0.7, "top_p": 0.8}),
     ("EAGLE", (6, 8, 48), {"temperature": 1.3, "top_k": 12, "min_p": 0.05}),
+    # n-gram trees: drafts from earlier samples' text, several children per node (distinct tokens)
+    ("NGRAM", (None, None, 8), {"temperature": 0.8, "top_p": 0.9}),
+    ("NGRAM", (None, None, 6), {"temperature": 1.2, "top_k": 10, "min_p": 0.02}),
 ]
 
 
@@ -69,15 +72,36 @@ def goodness_of_fit(observed: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(obs[keep].numpy(), exp[keep].numpy() * obs[keep].sum().item() / exp[keep].sum().item()).pvalue)
 
 
+def record_ngram_parents(engine: Engine) -> list[list[int]]:
+    """The parent lists of every n-gram draft the engine makes from now on."""
+    cache = engine.scheduler.spec_worker.cache
+    real_draft, parent_lists = cache.draft, []
+
+    def recording_draft(context, max_drafts):
+        draft = real_draft(context, max_drafts)
+        parent_lists.append(draft.parents)
+        return draft
+
+    cache.draft = recording_draft
+    return parent_lists
+
+
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: f"{s[0]}-{s[1]}-{'-'.join(map(str, s[2].values()))}")
 def test_speculative_sampling_matches_plain_distribution(model_dirs, setting) -> None:
     algorithm, (steps, topk, draft_tokens), params = setting
+    if algorithm == "NGRAM":
+        spec = {"speculative_num_draft_tokens": draft_tokens}
+        steps = draft_tokens - 1  # the deepest tree
+    else:
+        spec = {"speculative_draft_model_path": str(model_dirs[algorithm]), "speculative_num_steps": steps,
+                "speculative_eagle_topk": topk, "speculative_num_draft_tokens": draft_tokens}
     engine = Engine(model_path=str(model_dirs["target"]), dtype="float32", max_total_tokens=8192,
-                    max_running_requests=128, speculative_algorithm=algorithm,
-                    speculative_draft_model_path=str(model_dirs[algorithm]), speculative_num_steps=steps,
-                    speculative_eagle_topk=topk, speculative_num_draft_tokens=draft_tokens)
+                    max_running_requests=128, speculative_algorithm=algorithm, **spec)
     sampling = [{**params, "max_new_tokens": 4, "ignore_eos": True, "sampling_seed": seed} for seed in range(SAMPLES)]
+    parent_lists = record_ngram_parents(engine) if algorithm == "NGRAM" else None
     outs = engine.generate(input_ids=[PROMPT] * SAMPLES, sampling_params=sampling)
+    if parent_lists is not None:  # real trees: some node had several children
+        assert any(len(set(parents)) < len(parents) for parents in parent_lists)
     tokens = torch.tensor([o["output_ids"] for o in outs])
     engine.check_pool_balance()
     # drafts are accepted and rejected: both paths of the walk are exercised (committed tokens beyond

@@ -1,0 +1,120 @@
+"""The NGRAM draft source (treespec/speculative/ngram_cache.py): what a draft proposes (longest match,
+most frequent first, breadth by match length), counts under incremental inserts, and the capacity bound
+with least-recently-used eviction."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from treespec.speculative.ngram_cache import NgramCache, NgramConfig
+
+
+def cache_with(*texts: list[int], **config) -> NgramCache:
+    cache = NgramCache(NgramConfig(**config))
+    for text in texts:
+        cache.insert(text)
+    return cache
+
+
+def ngram_counts(cache: NgramCache) -> dict[tuple[int, ...], int]:
+    """Every stored n-gram with its count, and the structure checked on the way: one recency entry per
+    node, every node after all its descendants in recency order (so the oldest is a leaf)."""
+    order = {node: i for i, node in enumerate(cache._recency)}
+    counts, stack = {}, [(cache.root, ())]
+    while stack:
+        node, path = stack.pop()
+        for token, child in (node.children or {}).items():
+            assert child.parent is node and child.token == token
+            if node is not cache.root:
+                assert order[child] < order[node], "a node must be older than its parent"
+            counts[path + (token,)] = child.count
+            stack.append((child, path + (token,)))
+    assert len(counts) == len(cache) == len(order)
+    return counts
+
+
+def test_longest_match_then_breadth_first_by_count_then_recency():
+    cache = cache_with([1, 2, 3, 4, 1, 2, 3, 5])
+    draft = cache.draft([9, 1, 2], 5)
+    # [9, 1, 2] is unseen, [1, 2] matched; 3 follows it twice; 4 and 5 once each, 5 more recently
+    assert draft.match_length == 2
+    assert draft.tokens == [3, 5, 4, 1, 2]
+    assert draft.parents == [0, 1, 1, 3, 4]
+    assert cache.draft([9, 1, 2], 0).tokens == []
+    assert cache.draft([7], 5).tokens == [] and cache.draft([7], 5).match_length == 0
+
+
+def test_frequency_beats_recency_and_longer_matches_win():
+    cache = cache_with([10, 11, 12], [10, 11, 12], [10, 11, 13])
+    assert cache.draft([10, 11], 2).tokens == [12, 13]
+    cache = cache_with([5, 2, 7], [6, 2, 7], [1, 2, 8])
+    assert cache.draft([3, 1, 2], 1).tokens == [8]  # the 2-token match [1, 2]
+    assert cache.draft([3, 2], 1).tokens == [7]  # only [2] matches: its most frequent continuation
+    short = cache_with([5, 2, 7], [6, 2, 7], [1, 2, 8], max_match_window=1)
+    assert short.draft([3, 1, 2], 1).tokens == [7]
+    long_only = cache_with([5, 2, 7], [6, 2, 7], [1, 2, 8], min_match_window=2)
+    assert long_only.draft([3, 2], 1).tokens == []
+
+
+def test_breadth_falls_from_max_at_short_matches_to_min_at_long_ones():
+    cache = NgramCache(NgramConfig(min_match_window=2, max_match_window=6, min_bfs_breadth=1, max_bfs_breadth=5))
+    breadths = [cache.breadth_for(w) for w in range(2, 7)]
+    assert breadths == [5, 4, 3, 2, 1]
+    # a 1-token match after many different continuations proposes max_bfs_breadth of them
+    texts = [[1, t] for t in range(20, 30)]
+    wide = cache_with(*texts, min_match_window=1, max_match_window=4, max_bfs_breadth=3)
+    assert len(wide.draft([1], 8).tokens) == 3
+
+
+def test_stored_ngrams_stop_at_branch_length():
+    cache = cache_with(list(range(100, 110)), branch_length=4)
+    assert max(len(path) for path in ngram_counts(cache)) == 4
+    draft = cache.draft([100, 101], 10)  # continuations of a 2-token match are at most 2 deep
+    assert draft.tokens == [102, 103] and draft.parents == [0, 1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=40), st.lists(st.integers(1, 6), max_size=10))
+def test_incremental_inserts_count_like_one_insert(text, cuts):
+    """Inserting a sequence piece by piece (num_new = the new piece) stores the same counts as at once."""
+    whole = cache_with(text, branch_length=5)
+    pieces = NgramCache(NgramConfig(branch_length=5))
+    end = 0
+    for cut in cuts + [len(text)]:
+        new_end = min(len(text), end + cut)
+        if new_end > end:
+            pieces.insert(text[:new_end], new_end - end)
+        end = new_end
+    assert ngram_counts(pieces) == ngram_counts(whole)
+
+
+def test_capacity_is_never_exceeded_and_the_structure_stays_sound():
+    rng = random.Random(0)
+    cache = NgramCache(NgramConfig(capacity=200, branch_length=6))
+    for _ in range(300):
+        text = [rng.randrange(12) for _ in range(rng.randrange(1, 30))]
+        cache.insert(text, rng.randrange(1, len(text) + 1))
+        cache.draft(text[: rng.randrange(1, len(text) + 1)], rng.randrange(0, 9))
+        assert len(cache) <= 200
+    ngram_counts(cache)  # recency entries and trie agree; every node older than its parent
+
+
+def test_least_recently_used_branches_are_evicted_first():
+    first, second, third = [1, 2, 3, 4, 5, 6], [11, 12, 13, 14, 15, 16], [21, 22, 23, 24, 25, 26]
+    size = len(cache_with(first, branch_length=3))  # 15 nodes: 6 + 5 + 4
+    # untouched since inserted: the oldest text goes entirely, the newer one is intact
+    cache = cache_with(first, second, branch_length=3, capacity=2 * size)
+    before = cache.draft([11, 12], 4).tokens
+    cache.insert(third)
+    assert len(cache) == 2 * size
+    assert cache.draft([1, 2], 4).tokens == [] and cache.draft([11, 12], 4).tokens == before == [13]
+    assert all(path[0] not in first for path in ngram_counts(cache))
+    # a draft from the oldest text marks its path used: that path survives, the newer text loses instead
+    cache = cache_with(first, second, branch_length=3, capacity=2 * size)
+    assert cache.draft([1, 2], 4).tokens == [3]
+    cache.insert(third)
+    assert cache.draft([1, 2], 4).tokens == [3]
+    assert (1, 2, 3) in ngram_counts(cache) and (11, 12, 13) not in ngram_counts(cache)

@@ -1,0 +1,188 @@
+"""NGRAM speculation (drafts from the shared n-gram cache, no draft model) inside the scheduler: greedy
+output equals plain decoding token for token at batch 1 and 4 (fp32) whether drafts are accepted or
+rejected; one request's text changes another's drafts, never its output; chunked prefill, stop tokens,
+a tight pool (shrunk trees, retraction) and aborts keep the KV pool balanced after every step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from eagle_test_models import Lookup, lookup_target, random_target
+
+from treespec.engine import Engine
+from treespec.sampling_params import SamplingParams
+from treespec.speculative.ngram_cache import NgramCache
+
+
+def make_prompts(count: int, seed: int) -> list[list[int]]:
+    """Half the prompts repeat a phrase (their own n-grams predict them), half are random."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(count):
+        if i % 2 == 0:
+            phrase = [rng.randrange(256) for _ in range(rng.randrange(3, 7))]
+            prompts.append(phrase * 3 + [rng.randrange(256) for _ in range(rng.randrange(0, 4))])
+        else:
+            prompts.append([rng.randrange(256) for _ in range(rng.randrange(2, 20))])
+    return prompts
+
+
+PROMPTS = make_prompts(12, seed=0)
+PARAMS = [{"temperature": 0, "max_new_tokens": 24 + 3 * (i % 5), "ignore_eos": True} for i in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("ngram")
+    # lookup: the target mostly follows a fixed successor function, so its output cycles and its own
+    # n-grams predict it; random: drafts from the prompts' phrases are mostly wrong
+    return {"lookup": lookup_target(root / "lookup", Lookup(seed=0), noise=0.07),
+            "random": random_target(root / "random", seed=5)}
+
+
+def engine_for(model_dirs, kind: str, ngram: bool, **kwargs) -> Engine:
+    spec = {"speculative_algorithm": "NGRAM" if ngram else "NONE"}
+    return Engine(model_path=str(model_dirs[kind]), dtype="float32",
+                  max_total_tokens=kwargs.pop("max_total_tokens", 4096), **spec, **kwargs)
+
+
+def run_all(engine: Engine, batch_size: int, prompts=PROMPTS, params=PARAMS) -> list[list[int]]:
+    outs: list[list[int]] = []
+    for i in range(0, len(prompts), batch_size):
+        res = engine.generate(input_ids=prompts[i : i + batch_size], sampling_params=params[i : i + batch_size])
+        outs += [r["output_ids"] for r in res]
+        engine.check_pool_balance()
+    return outs
+
+
+def record_drafts(engine: Engine) -> list[list[int]]:
+    """Record the draft tokens of every request at every step (wraps the worker's cache)."""
+    cache = engine.scheduler.spec_worker.cache
+    drafts: list[list[int]] = []
+    real_draft = cache.draft
+
+    def recording_draft(context, max_drafts):
+        draft = real_draft(context, max_drafts)
+        drafts.append(list(draft.tokens))
+        return draft
+
+    cache.draft = recording_draft
+    return drafts
+
+
+def drive(engine: Engine, on_step=None) -> None:
+    """Step the scheduler until idle, checking the pool balance after every step."""
+    sched = engine.scheduler
+    steps = 0
+    while sched.has_work():
+        sched.step()
+        steps += 1
+        sched.check_pool_balance()
+        if on_step is not None:
+            on_step(steps)
+    sched.check_pool_balance()
+
+
+@pytest.fixture(scope="module")
+def references(model_dirs) -> dict:
+    return {kind: run_all(engine_for(model_dirs, kind, ngram=False), batch_size=4) for kind in ("lookup", "random")}
+
+
+@pytest.mark.parametrize("draft_tokens", [None, 4], ids=["default-8", "draft4"])
+@pytest.mark.parametrize("kind", ["lookup", "random"])
+def test_greedy_ngram_matches_plain_decoding(model_dirs, references, kind, draft_tokens) -> None:
+    engine = engine_for(model_dirs, kind, ngram=True, speculative_num_draft_tokens=draft_tokens)
+    assert engine.server_args.speculative_num_draft_tokens == (draft_tokens or 8)
+    drafts = record_drafts(engine)
+    for batch_size in (1, 4):
+        assert run_all(engine, batch_size) == references[kind], f"batch size {batch_size}"
+    stats = engine.get_stats()
+    proposed = sum(len(d) for d in drafts)
+    accepted = stats["spec_emitted_tokens"] - stats["spec_verify_ct"]
+    assert proposed > 0 and stats["spec_shrunk_steps"] == 0
+    if kind == "lookup":  # drafts are accepted: the test has power
+        assert stats["avg_spec_accept_length"] > 1.5, stats["avg_spec_accept_length"]
+    else:  # drafts are proposed and mostly rejected
+        assert accepted < 0.5 * proposed, (accepted, proposed)
+
+
+def test_one_requests_text_changes_anothers_drafts_not_its_output(model_dirs, references) -> None:
+    """Request A's text fills the shared cache with wrong successors of every token B will say; B's
+    drafts change (and get rejected), B's output stays plain greedy decoding."""
+    b_prompt, b_params = PROMPTS[1], PARAMS[1]
+    b_plain = references["lookup"][1]
+    wrong_pairs = [tok for v in sorted(set(b_plain)) for tok in (v, (v * 7 + 3) % 256)]
+    a_prompt = (wrong_pairs * 3)[:300]
+    runs = {}
+    for mode in ("alone", "after_a"):
+        engine = engine_for(model_dirs, "lookup", ngram=True)
+        if mode == "after_a":
+            engine.generate(input_ids=a_prompt, sampling_params={"temperature": 0, "max_new_tokens": 2})
+        drafts = record_drafts(engine)
+        out = engine.generate(input_ids=b_prompt, sampling_params=b_params)["output_ids"]
+        engine.check_pool_balance()
+        runs[mode] = (out, drafts)
+    assert runs["alone"][0] == runs["after_a"][0] == b_plain
+    assert runs["alone"][1] != runs["after_a"][1]
+    assert sum(map(len, runs["after_a"][1])) > sum(map(len, runs["alone"][1]))
+
+
+def test_chunked_prefill_stop_tokens_and_tight_pool(model_dirs, references) -> None:
+    ref = references["lookup"]
+    stop = [out[len(out) // 2] for out in ref[:4]]
+    params = [{**p, "stop_token_ids": [s]} for p, s in zip(PARAMS[:4], stop, strict=True)]
+    expected = [out[: out.index(s) + 1] for out, s in zip(ref[:4], stop, strict=True)]
+    engine = engine_for(model_dirs, "lookup", ngram=True, chunked_prefill_size=5)
+    got = engine.generate(input_ids=PROMPTS[:4], sampling_params=params)
+    assert [g["output_ids"] for g in got] == expected
+    engine.check_pool_balance()
+
+    # admission that reserves almost nothing for future tokens: trees shrink and requests are retracted
+    tight = engine_for(model_dirs, "lookup", ngram=True, max_total_tokens=110, schedule_conservativeness=0.05)
+    got = tight.generate(input_ids=PROMPTS[4:12], sampling_params=PARAMS[4:12])
+    assert [g["output_ids"] for g in got] == ref[4:12]
+    stats = tight.get_stats()
+    assert stats["spec_shrunk_steps"] > 0 and stats["num_retractions"] > 0
+    tight.check_pool_balance()
+
+
+def test_aborts_mid_speculation_balance(model_dirs) -> None:
+    engine = engine_for(model_dirs, "lookup", ngram=True, chunked_prefill_size=6)
+    sched = engine.scheduler
+    params = SamplingParams(temperature=0.8, max_new_tokens=30, ignore_eos=True)
+    for i in range(5):
+        sched.add_request(f"r{i}", PROMPTS[2 * i] + PROMPTS[2 * i + 1][:3], params)
+    aborted = []
+
+    def abort_some(step: int) -> None:
+        if step == 2 and sched.chunked_req is not None:
+            aborted.append(sched.abort_request(sched.chunked_req.rid))  # mid chunked prefill
+        if step == 8 and sched.running:
+            aborted.append(sched.abort_request(sched.running[0].rid))  # mid speculation
+        if step == 9 and sched.waiting:
+            aborted.append(sched.abort_request(sched.waiting[-1].rid))
+
+    drive(engine, abort_some)
+    assert len(aborted) >= 2 and all(o.finish_reason["type"] == "abort" for o in aborted)
+    assert sched.stats["spec_emitted_tokens"] > sched.stats["spec_verify_ct"]  # drafts were accepted
+
+
+def test_capacity_flag_bounds_the_shared_cache(model_dirs, references) -> None:
+    engine = engine_for(model_dirs, "lookup", ngram=True, speculative_ngram_capacity=64,
+                        speculative_ngram_branch_length=4)
+    cache = engine.scheduler.spec_worker.cache
+    assert isinstance(cache, NgramCache) and cache.config.capacity == 64
+    assert run_all(engine, batch_size=4) == references["lookup"]
+    assert len(cache) == 64  # full, and never above: every insert evicts down to the bound
+
+
+def test_radix_cache_keys_on_tokens_under_ngram(model_dirs, references) -> None:
+    """No draft KV, so no bigram keys: a repeated prompt hits all but its last token, same output."""
+    engine = engine_for(model_dirs, "lookup", ngram=True)
+    assert not engine.scheduler.cache.bigram_keys
+    first = engine.generate(input_ids=PROMPTS[0], sampling_params=PARAMS[0])
+    again = engine.generate(input_ids=PROMPTS[0], sampling_params=PARAMS[0])
+    assert first["output_ids"] == again["output_ids"] == references["lookup"][0]
+    assert again["meta_info"]["cached_tokens"] == len(PROMPTS[0]) - 1
+    engine.check_pool_balance()

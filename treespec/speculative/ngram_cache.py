@@ -1,0 +1,170 @@
+"""NgramCache: a bounded trie of the n-grams seen in requests' text, shared by all requests, from which
+the NGRAM worker drafts (training-free speculation: no draft model).
+
+Storage. Every path from the root is an n-gram of at most `branch_length` tokens that occurred in
+inserted text; a node's `count` is how many times its n-gram occurred (each occurrence counted once,
+when the token that ends it is inserted). Children are a dict token -> node, created on demand.
+
+Capacity and eviction. At most `capacity` nodes (the root not counted). Recency is kept in one
+OrderedDict, oldest first; touching a node (inserting through it, matching or drafting it) moves it
+and then each of its ancestors to the end, so every node stands after all its descendants and the
+oldest node is always a leaf. Eviction pops the oldest node: the least recently used branches go first,
+from their tips inward, in O(1) per node.
+
+Drafting. `draft(context, max_drafts)` finds the longest suffix of `context` whose length is within
+the match window and that is in the trie with a continuation, then expands the continuations
+breadth-first: every expanded node contributes its `breadth` most frequent children (ties: the most
+recently touched first, then the first created). The breadth shrinks linearly with the match length, from `max_bfs_breadth` at
+`min_match_window` (a short match says little, so hedge) to `min_bfs_breadth` at `max_match_window`
+(a long match is likely to continue one way). Drafts steer only what is verified: the target decides
+every emitted token, so one request's text can change another's drafts but never its output.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    min_match_window: int = 1
+    max_match_window: int = 12
+    min_bfs_breadth: int = 1
+    max_bfs_breadth: int = 10
+    branch_length: int = 18  # deepest stored n-gram
+    capacity: int = 1_000_000  # nodes
+
+
+@dataclass(frozen=True)
+class NgramDraft:
+    """Draft nodes of one request in breadth-first order. Verify-tree numbering: node 0 is the root (the
+    last context token), draft i is node i + 1 and `parents[i]` is its parent node (0 = the root)."""
+
+    tokens: list[int]
+    parents: list[int]
+    match_length: int  # tokens of context matched (0: no match, no drafts)
+
+
+class _Node:
+    __slots__ = ("token", "count", "tick", "parent", "children")
+
+    def __init__(self, token: int, parent: _Node | None) -> None:
+        self.token = token
+        self.count = 0
+        self.tick = 0  # the cache's clock when last touched (tie-break among equal counts)
+        self.parent = parent
+        self.children: dict[int, _Node] | None = None
+
+
+class NgramCache:
+    def __init__(self, config: NgramConfig) -> None:
+        self.config = config
+        self.root = _Node(-1, None)
+        self._recency: OrderedDict[_Node, None] = OrderedDict()  # oldest first; never holds the root
+        self._clock = 0
+
+    def __len__(self) -> int:
+        return len(self._recency)
+
+    # ------------------------------------------------------------------ insert
+    def insert(self, tokens: Sequence[int], num_new: int | None = None) -> None:
+        """Add the n-gram occurrences that end at the last `num_new` tokens of `tokens` (all of them when
+        None); earlier tokens only give those n-grams their beginnings. Evicts down to capacity."""
+        length = len(tokens)
+        first_new = 0 if num_new is None else max(0, length - num_new)
+        depth_limit = self.config.branch_length
+        recency, move_to_end = self._recency, self._recency.move_to_end  # local names: the hot loop
+        for start in range(max(0, first_new - depth_limit + 1), length):
+            self._clock += 1  # later occurrences are more recent, also within one call
+            clock, node, path = self._clock, self.root, []
+            for j in range(start, min(start + depth_limit, length)):
+                token = tokens[j]
+                children = node.children
+                child = children.get(token) if children else None
+                if child is None:
+                    child = _Node(token, node)
+                    if children is None:
+                        children = node.children = {}
+                    children[token] = child
+                    recency[child] = None
+                if j >= first_new:
+                    child.count += 1
+                path.append(child)
+                node = child
+            for touched in reversed(path):  # deepest first: ancestors end up newer than descendants
+                touched.tick = clock
+                move_to_end(touched)
+        self._evict()
+
+    def _evict(self) -> None:
+        while len(self._recency) > self.config.capacity:
+            node, _ = self._recency.popitem(last=False)
+            if node.children:  # the order invariant (module doc) makes this impossible
+                raise RuntimeError("ngram cache: the least recently used node is not a leaf")
+            parent = node.parent
+            del parent.children[node.token]
+            if not parent.children:
+                parent.children = None
+            node.parent = None
+
+    def _touch(self, drafted: list[_Node], matched: _Node) -> None:
+        """Mark a draft's nodes used: the drafted ones last-first (descendants before ancestors), then
+        the matched node and its ancestors, which keeps the order invariant."""
+        self._clock += 1
+        for node in reversed(drafted):
+            node.tick = self._clock
+            self._recency.move_to_end(node)
+        node = matched
+        while node is not self.root:
+            node.tick = self._clock
+            self._recency.move_to_end(node)
+            node = node.parent
+
+    # ------------------------------------------------------------------ draft
+    def _longest_match(self, context: Sequence[int]) -> tuple[_Node | None, int]:
+        """The node of the longest suffix of `context` in the window that has continuations."""
+        cfg = self.config
+        longest = min(cfg.max_match_window, len(context), cfg.branch_length - 1)
+        for width in range(longest, cfg.min_match_window - 1, -1):
+            node = self.root
+            for token in context[len(context) - width :]:
+                node = node.children.get(token) if node.children else None
+                if node is None:
+                    break
+            if node is not None and node.children:
+                return node, width
+        return None, 0
+
+    def breadth_for(self, match_length: int) -> int:
+        """Children kept per expanded node: max_bfs_breadth at the shortest match window, falling
+        linearly to min_bfs_breadth at the longest."""
+        cfg = self.config
+        span = max(1, cfg.max_match_window - cfg.min_match_window)
+        frac = min(1.0, max(0.0, (match_length - cfg.min_match_window) / span))
+        return round(cfg.max_bfs_breadth - frac * (cfg.max_bfs_breadth - cfg.min_bfs_breadth))
+
+    def draft(self, context: Sequence[int], max_drafts: int) -> NgramDraft:
+        """At most `max_drafts` draft nodes continuing `context` (see the module doc for the rule)."""
+        node, width = self._longest_match(context) if max_drafts > 0 else (None, 0)
+        if node is None:
+            return NgramDraft([], [], 0)
+        breadth = self.breadth_for(width)
+        tokens: list[int] = []
+        parents: list[int] = []
+        drafted: list[_Node] = []
+        frontier: deque[tuple[_Node, int]] = deque([(node, 0)])
+        while frontier and len(tokens) < max_drafts:
+            trie_node, tree_node = frontier.popleft()
+            if not trie_node.children:
+                continue
+            best = heapq.nlargest(breadth, trie_node.children.values(), key=lambda c: (c.count, c.tick))
+            for child in best[: max_drafts - len(tokens)]:
+                tokens.append(child.token)
+                parents.append(tree_node)
+                drafted.append(child)
+                frontier.append((child, len(tokens)))  # its verify-tree node number
+        self._touch(drafted, node)
+        return NgramDraft(tokens, parents, width)

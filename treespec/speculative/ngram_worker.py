@@ -1,0 +1,82 @@
+"""NgramWorker: training-free speculation (`--speculative-algorithm NGRAM`). Drafts come from a trie of
+the n-grams in all requests' text (ngram_cache.NgramCache, one cache shared by every request); there is
+no draft model, so no draft KV, no hidden states and no per-request draft state.
+
+One step, with the same division of work as EagleWorker:
+  1. `decode_step(reqs, shape)`: per request, up to `shape.num_draft_tokens - 1` drafts continuing its
+     own prompt + output (a request with no match gets the root alone), one tree per request
+     (tree.tree_from_parents), one TARGET_VERIFY forward, rejected slots freed, a `SpecStepResult`.
+     Nothing else changes.
+  2. The Scheduler commits the result.
+  3. `draft_extend(reqs, result, committed)`: the committed tokens go into the cache.
+The prompt goes in at the end of its prefill (`after_prefill`). A retracted request is prefilled
+again and its text counted again: counts only order drafts, the target decides every token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from treespec.args import ServerArgs
+from treespec.forward_batch import ForwardBatch, ModelOutput
+from treespec.mem.allocator import TokenToKVPoolAllocator
+from treespec.mem.req_to_token import ReqToTokenPool
+from treespec.model_runner import ModelRunner
+from treespec.request import Req
+from treespec.speculative.ngram_cache import NgramCache, NgramConfig
+from treespec.speculative.shapes import SpecSchedule, SpecShape
+from treespec.speculative.step_result import SpecStepResult, verify_tree_step
+from treespec.speculative.tree import tree_from_parents
+
+
+def ngram_config(args: ServerArgs) -> NgramConfig:
+    return NgramConfig(
+        min_match_window=args.speculative_ngram_min_match_window_size,
+        max_match_window=args.speculative_ngram_max_match_window_size,
+        min_bfs_breadth=args.speculative_ngram_min_bfs_breadth,
+        max_bfs_breadth=args.speculative_ngram_max_bfs_breadth,
+        branch_length=args.speculative_ngram_branch_length,
+        capacity=args.speculative_ngram_capacity,
+    )
+
+
+class NgramWorker:
+    target_capture_layers: tuple[int, ...] = ()
+    needs_target_hidden = False
+
+    def __init__(self, args: ServerArgs, target_runner: ModelRunner, req_to_token_pool: ReqToTokenPool,
+                 allocator: TokenToKVPoolAllocator) -> None:
+        ndraft = args.speculative_num_draft_tokens
+        # Only the node budget matters for an n-gram tree. As a chain shape (num_draft_tokens - 1 steps,
+        # topk 1) it needs num_draft_tokens slots per request, and the Scheduler's shrink rule (a shorter
+        # chain when KV is short) hands this worker a smaller budget.
+        self.schedule = SpecSchedule.constant(ndraft - 1, 1, ndraft)
+        self.cache = NgramCache(ngram_config(args))
+        self.target = target_runner
+        self.req_to_token_pool, self.allocator = req_to_token_pool, allocator
+        self.device = target_runner.device
+
+    def after_prefill(self, reqs: list[Req], lens: list[int], batch: ForwardBatch, output: ModelOutput) -> None:
+        """Insert the text of every request whose prefill completed (prompt + the first sampled token)."""
+        for req in reqs:
+            if req.kv_len == req.seq_len - 1:
+                self.cache.insert(req.all_ids)
+
+    def draft_extend(self, reqs: list[Req], result: SpecStepResult, committed: list[int]) -> None:
+        """Insert each request's committed tokens (finished requests too: their text helps others)."""
+        for req, num_new in zip(reqs, committed, strict=True):
+            self.cache.insert(req.all_ids, num_new)
+
+    def decode_step(self, reqs: list[Req], shape: SpecShape) -> SpecStepResult:
+        """Draft from the cache within `shape.num_draft_tokens` nodes per request (the root included) and
+        verify. The Scheduler sized `shape` against the free KV; this allocates only what the largest
+        tree needs (no drafts anywhere: a plain step)."""
+        kv_lens = [r.kv_len for r in reqs]
+        prefix_slots = [self.req_to_token_pool.read(r.req_pool_idx, 0, k) for r, k in zip(reqs, kv_lens, strict=True)]
+        roots = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=self.device)
+        drafts = [self.cache.draft(r.all_ids, shape.num_draft_tokens - 1) for r in reqs]
+        tree = tree_from_parents(roots, [d.tokens for d in drafts], [d.parents for d in drafts], kv_lens)
+        # nodes past the context length are never emitted (max_new_tokens stops first); clamp for RoPE
+        positions = tree.positions.clamp(max=self.target.context_len - 1)
+        return verify_tree_step(reqs, tree, kv_lens, prefix_slots, self.target, self.allocator, positions,
+                                self.target_capture_layers, return_all_hidden=False)

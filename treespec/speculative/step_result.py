@@ -1,0 +1,73 @@
+"""What a speculative worker gives the Scheduler, and the verify half both workers share.
+
+A worker (EagleWorker, NgramWorker) drafts a tree per request; `verify_tree_step` verifies it with one
+TARGET_VERIFY forward, frees the rejected nodes' slots and returns a `SpecStepResult`. The Scheduler
+commits that result once (stop rules, req_to_token, counters); the worker then catches up on what was
+committed (`draft_extend`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from treespec.forward_batch import ForwardBatch, ModelOutput
+from treespec.mem.allocator import TokenToKVPoolAllocator
+from treespec.model_runner import ModelRunner
+from treespec.request import Req
+from treespec.speculative.shapes import SpecSchedule, SpecShape
+from treespec.speculative.tree import DraftTree, split_accepted, verify_batch
+from treespec.speculative.verify import token_logprobs, verify_tree_mixed
+
+
+@dataclass(frozen=True)
+class SpecStepResult:
+    """What one draft-and-verify step produced, per request (in the order of the step's requests)."""
+
+    tokens: list[list[int]]  # accepted draft tokens then the bonus token
+    kept_slots: list[torch.Tensor]  # target KV slots of the accepted nodes (root first), one per token
+    accepted_drafts: list[int]  # draft tokens the target accepted (bonus excluded)
+    # (logprob, top logprobs) per token under the target distribution, None where not asked for
+    logprobs: list[list[tuple[float, list]] | None]
+    # for the draft extend: each request's kv_len before the step, its accepted verify rows, the output
+    kv_lens: list[int]
+    accept_rows: list[torch.Tensor]
+    verify_output: ModelOutput
+
+
+class SpecWorker(Protocol):
+    """What the Scheduler calls on a speculative worker."""
+
+    schedule: SpecSchedule
+    target_capture_layers: tuple[int, ...]  # target layers whose inputs the prefill must return
+    needs_target_hidden: bool  # whether the prefill must return every row's hidden state
+
+    def after_prefill(self, reqs: list[Req], lens: list[int], batch: ForwardBatch, output: ModelOutput) -> None: ...
+
+    def decode_step(self, reqs: list[Req], shape: SpecShape) -> SpecStepResult: ...
+
+    def draft_extend(self, reqs: list[Req], result: SpecStepResult, committed: list[int]) -> None: ...
+
+
+def verify_tree_step(
+    reqs: list[Req], tree: DraftTree, kv_lens: list[int], prefix_slots: list[torch.Tensor],
+    target: ModelRunner, allocator: TokenToKVPoolAllocator, positions: torch.Tensor,
+    capture_layers: tuple[int, ...], return_all_hidden: bool,
+) -> SpecStepResult:
+    """Verify `tree` (positions already clamped to the model's range) with one target forward over
+    fresh slots, keep the accepted nodes' slots for the Scheduler and free the rest."""
+    bs, device = len(reqs), target.device
+    verify_slots = allocator.alloc(bs * tree.num_nodes).view(bs, tree.num_nodes)
+    vbatch = verify_batch(tree, prefix_slots, verify_slots, positions, capture_layers, device)
+    out = target.forward(vbatch, return_all_hidden=return_all_hidden)
+    predicts, accept_index, accept_length = verify_tree_mixed(reqs, out.logits, tree)
+    accept_rows, kept_slots, rejected = split_accepted(accept_index, accept_length, verify_slots)
+    allocator.free(rejected)
+    tokens = [predicts[rows].tolist() for rows in accept_rows]
+    logprobs = [
+        token_logprobs(req, out.logits[rows.to(device)], toks) if req.return_logprob else None
+        for req, rows, toks in zip(reqs, accept_rows, tokens, strict=True)
+    ]
+    return SpecStepResult(tokens, kept_slots, accept_length.tolist(), logprobs, kv_lens, accept_rows, out)
