@@ -28,8 +28,10 @@ def parse_config(text: str) -> tuple[int, int, int]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=None, help="target (default: the embedded default model)")
-    p.add_argument("--algorithm", nargs="+", default=["EAGLE3"], choices=["EAGLE3", "EAGLE"],
-                   help="one or both heads; each is compared with the same plain runs")
+    p.add_argument("--algorithm", nargs="+", default=["EAGLE3"], choices=["EAGLE3", "EAGLE", "NGRAM"],
+                   help="heads and/or NGRAM drafting; each is compared with the same plain runs")
+    p.add_argument("--ngram-draft-tokens", nargs="*", type=int, default=None,
+                   help="NGRAM: --speculative-num-draft-tokens settings to compare (default: the engine's)")
     p.add_argument("--draft-model-path", default=None, help="draft head (default: the shipped head; one algorithm only)")
     p.add_argument("--configs", nargs="*", default=None,
                    help="steps,topk,num_draft_tokens settings to compare (default: the engine's defaults)")
@@ -53,11 +55,16 @@ def main(argv: list[str] | None = None) -> None:
     configs = [parse_config(c) for c in args.configs] if args.configs else [None]
     specs = []
     for algorithm in args.algorithm:
-        for cfg in configs:
-            kw = {} if cfg is None else dict(zip(("speculative_num_steps", "speculative_eagle_topk",
-                                                  "speculative_num_draft_tokens"), cfg, strict=True))
-            eng = Engine(args.model_path, speculative_algorithm=algorithm,
-                         speculative_draft_model_path=args.draft_model_path, **kw, **common)
+        if algorithm == "NGRAM":  # no draft model: only the tree size is a setting
+            sizes = args.ngram_draft_tokens or [None]
+            settings = [{} if n is None else {"speculative_num_draft_tokens": n} for n in sizes]
+        else:
+            settings = [{} if cfg is None else dict(zip(("speculative_num_steps", "speculative_eagle_topk",
+                                                         "speculative_num_draft_tokens"), cfg, strict=True))
+                        for cfg in configs]
+        for kw in settings:
+            draft = {} if algorithm == "NGRAM" else {"speculative_draft_model_path": args.draft_model_path}
+            eng = Engine(args.model_path, speculative_algorithm=algorithm, **draft, **kw, **common)
             a = eng.server_args
             specs.append(((algorithm, a.speculative_num_steps, a.speculative_eagle_topk,
                            a.speculative_num_draft_tokens), eng))
