@@ -19,7 +19,15 @@ from treespec.sampling_params import SamplingParams
 from treespec.server.io_struct import GenerateReq
 from treespec.server.metrics import render_metrics
 from treespec.server.openai_api import OpenAIServing
-from treespec.server.protocol import ApiError, ModelLimits, parse_generate, parse_json_body
+from treespec.server.protocol import (
+    ApiError,
+    ModelLimits,
+    parse_abort,
+    parse_detokenize,
+    parse_generate,
+    parse_json_body,
+    parse_tokenize,
+)
 from treespec.server.streaming import SSE_DONE, SSEResponse, gather_or_cancel, json_response, merge, sse
 from treespec.server.tokenizer_manager import Chunk, TokenizerManager
 
@@ -130,14 +138,17 @@ def create_app(state: ServerState, tm: TokenizerManager) -> FastAPI:
             return json_response({"status": "unhealthy", "reason": str(e) or "timed out"}, 503)
         return json_response({"status": "ok"})
 
+    # SGLang serves the info routes as /model_info and /server_info; the /get_ names are its old ones
+    @app.get("/model_info")
     @app.get("/get_model_info")
-    async def get_model_info() -> Response:
+    async def model_info() -> Response:
         return json_response({"model_path": state.model_dir, "tokenizer_path": state.tokenizer_path,
                               "served_model_name": state.model_name, "is_generation": True,
                               "context_length": state.limits.context_len})
 
+    @app.get("/server_info")
     @app.get("/get_server_info")
-    async def get_server_info() -> Response:
+    async def server_info() -> Response:
         stats = (await tm.control("get_stats")).data
         pids = {"launcher": os.getpid(), **{name: p.pid for name, p in state.procs.items()}}
         return json_response({
@@ -168,8 +179,25 @@ def create_app(state: ServerState, tm: TokenizerManager) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         stats = (await tm.control("get_stats")).data
-        return PlainTextResponse(render_metrics(stats, state.model_name),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        text = render_metrics(stats, state.model_name) + tm.latency.render(state.model_name)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # ------------------------------------------------------------------ tokenizer (HTTP process only)
+    @app.post("/tokenize")
+    @app.post("/v1/tokenize")
+    async def tokenize(request: Request) -> Response:
+        prompts, single, add_special = parse_tokenize(await body_of(request))
+        tokens = [tm.tokenizer.encode(p, add_special_tokens=add_special) for p in prompts]
+        counts = [len(t) for t in tokens]
+        return json_response({"tokens": tokens[0] if single else tokens, "count": counts[0] if single else counts,
+                              "max_model_len": state.limits.context_len})
+
+    @app.post("/detokenize")
+    @app.post("/v1/detokenize")
+    async def detokenize(request: Request) -> Response:
+        lists, single, skip = parse_detokenize(await body_of(request), state.limits.vocab_size)
+        texts = [tm.tokenizer.decode(ids, skip_special_tokens=skip) for ids in lists]
+        return json_response({"text": texts[0] if single else texts})
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -189,6 +217,11 @@ def create_app(state: ServerState, tm: TokenizerManager) -> FastAPI:
         outs = [{"text": c.text, "output_ids": c.output_ids, "meta_info": c.meta_info} for c in results]
         return json_response(outs[0] if single else outs)
 
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        rid, abort_all = parse_abort(await body_of(request))
+        return json_response({"aborted": tm.abort(rid, abort_all)})
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await openai.completions(await body_of(request), request)
@@ -206,24 +239,13 @@ class _StreamedOutput:
 
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    top_logprobs: list = field(default_factory=list)
-    input_logprobs: list | None = None
 
     def event(self, c: Chunk) -> dict[str, Any]:
         if c.finished:  # the exact final text, all ids and logprobs
             return {"text": c.text, "output_ids": c.output_ids, "meta_info": c.meta_info}
         self.text += c.delta
         self.output_ids += c.new_ids
-        self.logprobs += c.new_logprobs
-        self.top_logprobs += c.new_top_logprobs
-        if c.new_input_logprobs is not None:
-            self.input_logprobs = c.new_input_logprobs
-        meta = c.meta_info
-        if self.logprobs or self.input_logprobs is not None:
-            meta = {**meta, "output_token_logprobs": self.logprobs, "output_top_logprobs": self.top_logprobs,
-                    "input_token_logprobs": self.input_logprobs or []}
-        return {"text": self.text, "output_ids": self.output_ids, "meta_info": meta}
+        return {"text": self.text, "output_ids": self.output_ids, "meta_info": c.meta_info}
 
 
 async def _generate_stream(tm: TokenizerManager, inputs: list[GenerateReq], single: bool, request: Request):

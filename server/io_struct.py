@@ -38,7 +38,8 @@ class GenerateReq:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
-    rid: str = field(default_factory=_new_rid)
+    rid: str = field(default_factory=_new_rid)  # a client-given rid, or a fresh one
+    return_text_in_logprobs: bool = False  # used by the HTTP process only (it has the tokenizer)
 
 
 @dataclass(frozen=True)

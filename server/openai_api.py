@@ -86,10 +86,10 @@ class OpenAIServing:
         results = await gather_or_cancel([self.tm.generate_full(g, request) for g in gens])
         choices = []
         for i, c in enumerate(results):
-            lp = c.meta_info.get("output_token_logprobs") if req.logprobs else None
+            lp = c.logprobs if req.logprobs else None
             choices.append({
                 "index": i, "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._chat_logprobs(lp, c.meta_info.get("output_top_logprobs") or []) if lp is not None else None,
+                "logprobs": self._chat_logprobs(lp, c.top_logprobs or []) if lp is not None else None,
                 "finish_reason": finish_reason_str(c.meta_info), "matched_stop": matched_stop(c.meta_info),
             })
         usage = usage_dict(results[0].meta_info["prompt_tokens"],
@@ -133,12 +133,13 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ completions
     def _prompts(self, prompt: Any) -> list[list[int]]:
+        # text is encoded as SGLang encodes it: with the tokenizer's own special tokens (a BOS where it adds one)
         if isinstance(prompt, str):
-            return [self.tm.tokenizer.encode(prompt, add_special_tokens=False)]
+            return [self.tm.tokenizer.encode(prompt, add_special_tokens=True)]
         if not prompt:
             raise ApiError("prompt must not be empty", param="prompt")
         if all(isinstance(p, str) for p in prompt):
-            return [self.tm.tokenizer.encode(p, add_special_tokens=False) for p in prompt]
+            return [self.tm.tokenizer.encode(p, add_special_tokens=True) for p in prompt]
         if all(is_int(t) for t in prompt):
             return [list(prompt)]
         return [list(p) for p in prompt]
@@ -164,10 +165,10 @@ class OpenAIServing:
         choices = []
         for i, c in enumerate(results):
             echo = echoes[i // req.n]
-            lp = c.meta_info.get("output_token_logprobs") if want_lp else None
+            lp = c.logprobs if want_lp else None
             choices.append({
                 "index": i, "text": echo + c.text,
-                "logprobs": self._completion_logprobs(lp, c.meta_info.get("output_top_logprobs") or [], len(echo)) if lp is not None else None,
+                "logprobs": self._completion_logprobs(lp, c.top_logprobs or [], len(echo)) if lp is not None else None,
                 "finish_reason": finish_reason_str(c.meta_info), "matched_stop": matched_stop(c.meta_info),
             })
         return json_response({"id": rid, "object": "text_completion", "created": created,

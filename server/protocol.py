@@ -14,7 +14,8 @@ from treespec.request_checks import ModelLimits, check_request
 from treespec.sampling_params import InvalidRequest, SamplingParams
 from treespec.server.io_struct import GenerateReq
 
-__all__ = ["ApiError", "ModelLimits", "check_input", "parse_generate", "parse_json_body", "parse_sampling_params"]
+__all__ = ["ApiError", "ModelLimits", "check_input", "parse_abort", "parse_detokenize", "parse_generate",
+           "parse_json_body", "parse_sampling_params", "parse_tokenize"]
 
 # SGLang field names -> the OpenAI request fields they come from
 OPENAI_PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
@@ -69,7 +70,8 @@ def check_input(req: GenerateReq, limits: ModelLimits) -> None:
     """treespec.request_checks.check_request, answered as an ApiError: a bad request never leaves the
     HTTP process."""
     try:
-        check_request(req.input_ids, req.sampling_params, limits, req.top_logprobs_num, req.logprob_start_len)
+        check_request(req.input_ids, req.sampling_params, limits, req.top_logprobs_num, req.logprob_start_len,
+                      req.return_logprob)
     except InvalidRequest as e:
         raise ApiError(str(e), param=e.param, code=e.code) from None
 
@@ -78,8 +80,23 @@ def _as_list(x: Any, single: bool) -> list:
     return [x] if single else list(x)
 
 
+def _parse_rids(rid: Any, single: bool, num_prompts: int) -> list[str] | None:
+    """A client-given request id per prompt (SGLang: a string, or a list for a batch), or None."""
+    if rid is None:
+        return None
+    if single:
+        check_type(rid, isinstance(rid, str) and bool(rid), "rid", "a non-empty string for a single prompt")
+        return [rid]
+    ok = isinstance(rid, list) and len(rid) == num_prompts and all(isinstance(r, str) and r for r in rid)
+    check_type(rid, ok, "rid", f"a list of {num_prompts} non-empty strings (one per prompt)")
+    if len(set(rid)) != len(rid):
+        raise ApiError("rid must not repeat within one request", param="rid")
+    return list(rid)
+
+
 def parse_generate(body: dict[str, Any], tokenizer) -> tuple[list[GenerateReq], bool, bool]:
-    """The SGLang-native /generate body -> (inputs, single, stream)."""
+    """The SGLang-native /generate body -> (inputs, single, stream). Text is encoded as SGLang encodes
+    it: with the tokenizer's own special tokens (a BOS where the model's tokenizer adds one)."""
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
         raise ApiError("pass exactly one of text or input_ids", param="text")
@@ -87,13 +104,14 @@ def parse_generate(body: dict[str, Any], tokenizer) -> tuple[list[GenerateReq], 
         single = isinstance(text, str)
         ok = single or (isinstance(text, list) and text and all(isinstance(t, str) for t in text))
         check_type(text, bool(ok), "text", "a string or a non-empty list of strings")
-        id_lists = [tokenizer.encode(t, add_special_tokens=False) for t in _as_list(text, single)]
+        id_lists = [tokenizer.encode(t, add_special_tokens=True) for t in _as_list(text, single)]
     else:
         single = isinstance(input_ids, list) and all(is_int(t) for t in input_ids)
         ok = single or (isinstance(input_ids, list) and input_ids
                         and all(isinstance(x, list) and all(is_int(t) for t in x) for x in input_ids))
         check_type(input_ids, bool(ok), "input_ids", "a list of token ids or a non-empty list of such lists")
         id_lists = _as_list(input_ids, single)
+    rids = _parse_rids(body.get("rid"), single, len(id_lists))
     sp = body.get("sampling_params")
     if sp is None:
         sp_list = [{} for _ in id_lists]
@@ -105,21 +123,66 @@ def parse_generate(body: dict[str, Any], tokenizer) -> tuple[list[GenerateReq], 
         sp_list = [dict(x) for x in sp]
     else:
         raise ApiError("sampling_params must be an object or a list of objects", param="sampling_params")
-    return_logprob = body.get("return_logprob", False)
-    check_type(return_logprob, isinstance(return_logprob, bool), "return_logprob", "a boolean")
+    flags = {}
+    for name in ("return_logprob", "return_text_in_logprobs", "stream"):
+        flags[name] = body.get(name, False)
+        check_type(flags[name], isinstance(flags[name], bool), name, "a boolean")
     top_n = body.get("top_logprobs_num", 0) or 0
     check_type(top_n, is_int(top_n), "top_logprobs_num", "an integer")
     start = body.get("logprob_start_len", -1)
     start = -1 if start is None else start
     check_type(start, is_int(start), "logprob_start_len", "an integer")
-    stream = body.get("stream", False)
-    check_type(stream, isinstance(stream, bool), "stream", "a boolean")
     inputs = []
-    for ids, p in zip(id_lists, sp_list, strict=True):
+    for i, (ids, p) in enumerate(zip(id_lists, sp_list, strict=True)):
         n = p.pop("n", 1)
         if not is_int(n) or not 1 <= n <= 16:
             raise ApiError("sampling_params.n must be an integer in [1, 16]", param="sampling_params")
+        if n > 1 and rids is not None:
+            raise ApiError("rid cannot be combined with sampling_params.n > 1 (each copy needs its own id)",
+                           param="rid")
         params = parse_sampling_params(p)
-        inputs += [GenerateReq(list(ids), params, return_logprob, top_n, start) for _ in range(n)]
+        extra = {"rid": rids[i]} if rids is not None else {}
+        inputs += [GenerateReq(list(ids), params, flags["return_logprob"], top_n, start,
+                               return_text_in_logprobs=flags["return_text_in_logprobs"], **extra)
+                   for _ in range(n)]
     # SGLang: n > 1 turns a single prompt into a list of results
-    return inputs, single and len(inputs) == 1, stream
+    return inputs, single and len(inputs) == 1, flags["stream"]
+
+
+def parse_abort(body: dict[str, Any]) -> tuple[str | None, bool]:
+    """SGLang's /abort_request body -> (rid, abort_all)."""
+    rid, abort_all = body.get("rid"), body.get("abort_all", False)
+    check_type(abort_all, isinstance(abort_all, bool), "abort_all", "a boolean")
+    if not abort_all:
+        check_type(rid, isinstance(rid, str) and bool(rid), "rid", "a non-empty string (or pass abort_all)")
+    return rid, abort_all
+
+
+def parse_tokenize(body: dict[str, Any]) -> tuple[list[str], bool, bool]:
+    """SGLang's /tokenize body ({"prompt": str | list[str], "add_special_tokens": bool}) ->
+    (prompts, single, add_special_tokens)."""
+    if "prompt" not in body and "text" in body:
+        raise ApiError("/tokenize takes the text under prompt (SGLang's field name)", param="prompt")
+    prompt = body.get("prompt")
+    single = isinstance(prompt, str)
+    ok = single or (isinstance(prompt, list) and all(isinstance(p, str) for p in prompt))
+    check_type(prompt, ok, "prompt", "a string or a list of strings")
+    add_special = body.get("add_special_tokens", True)
+    check_type(add_special, isinstance(add_special, bool), "add_special_tokens", "a boolean")
+    return _as_list(prompt, single), single, add_special
+
+
+def parse_detokenize(body: dict[str, Any], vocab_size: int) -> tuple[list[list[int]], bool, bool]:
+    """SGLang's /detokenize body ({"tokens": list[int] | list[list[int]], "skip_special_tokens": bool})
+    -> (token lists, single, skip_special_tokens)."""
+    tokens = body.get("tokens")
+    single = isinstance(tokens, list) and all(is_int(t) for t in tokens)
+    ok = single or (isinstance(tokens, list) and all(isinstance(x, list) and all(is_int(t) for t in x)
+                                                     for x in tokens))
+    check_type(tokens, ok, "tokens", "a list of token ids or a list of such lists")
+    lists = _as_list(tokens, single)
+    if any(t < 0 or t >= vocab_size for ids in lists for t in ids):
+        raise ApiError(f"token ids must be in [0, {vocab_size})", param="tokens")
+    skip = body.get("skip_special_tokens", True)
+    check_type(skip, isinstance(skip, bool), "skip_special_tokens", "a boolean")
+    return lists, single, skip

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from treespec.request_output import RequestOutput
+from treespec.request_output import RequestOutput, logprob_meta
 from treespec.server.io_struct import (
     AbortReq,
     BatchOutput,
@@ -31,6 +32,7 @@ from treespec.server.io_struct import (
     decode,
     encode,
 )
+from treespec.server.metrics import LatencyMetrics
 from treespec.server.proc_util import make_socket
 from treespec.server.protocol import ApiError, ModelLimits, check_input
 
@@ -42,30 +44,37 @@ CONTROL_TIMEOUT_S = 30.0
 
 @dataclass(frozen=True)
 class Chunk:
-    """One output step of one request: what is new since the previous chunk. The finishing chunk also
-    carries the whole result: the exact final text, all output ids, and meta_info with all logprobs."""
+    """One output step of one request: what is new since the previous chunk. meta_info is SGLang's,
+    with the logprobs so far when the request asked for them. The finishing chunk also carries the
+    whole result: the exact final text, all output ids, and all (logprob, id) pairs."""
 
     delta: str
     new_ids: list[int]
-    new_logprobs: list
+    new_logprobs: list  # (logprob, token id) pairs of new_ids, when asked for
     new_top_logprobs: list
     finished: bool
     meta_info: dict[str, Any]
-    new_input_logprobs: list | None = None  # on the first chunk of a request that asked for logprobs
     text: str | None = None  # finishing chunk only
     output_ids: list[int] | None = None  # finishing chunk only
+    logprobs: list | None = None  # finishing chunk only: every output (logprob, token id) pair
+    top_logprobs: list | None = None  # finishing chunk only
 
 
 @dataclass
 class ReqState:
-    """What the finishing chunk needs, accumulated in place (chunks never copy it)."""
+    """What the chunks of one request need, accumulated in place (chunks never copy it)."""
 
+    req: GenerateReq
+    decode: Callable[[int], str] | None  # token text for logprobs (return_text_in_logprobs), else None
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     top_logprobs: list = field(default_factory=list)
     input_logprobs: list | None = None
+    input_top_logprobs: list | None = None
     last_check: float = 0.0  # loop time of the last client-disconnect check
+    created: float = field(default_factory=time.monotonic)
+    last_token_time: float | None = None  # when the previous output with tokens arrived
 
     def update(self, out: RequestOutput) -> Chunk:
         new_lp = out.output_token_logprobs or []
@@ -75,16 +84,15 @@ class ReqState:
         self.top_logprobs.extend(new_top)
         if out.input_token_logprobs is not None:
             self.input_logprobs = out.input_token_logprobs
+            self.input_top_logprobs = out.input_top_logprobs
+        meta = out.meta_info
+        if self.req.return_logprob:
+            meta = {**meta, **logprob_meta(self.logprobs, self.top_logprobs, self.input_logprobs,
+                                           self.input_top_logprobs, self.req.top_logprobs_num, self.decode)}
         if not out.finished:
-            return Chunk(out.text_delta, out.new_token_ids, new_lp, new_top, False, out.meta_info,
-                         out.input_token_logprobs)
-        meta = dict(out.meta_info)
-        if self.logprobs or self.input_logprobs is not None:
-            meta["output_token_logprobs"] = self.logprobs
-            meta["output_top_logprobs"] = self.top_logprobs
-            meta["input_token_logprobs"] = self.input_logprobs or []
-        return Chunk(out.text_delta, out.new_token_ids, new_lp, new_top, True, meta, out.input_token_logprobs,
-                     out.text or "", self.output_ids)
+            return Chunk(out.text_delta, out.new_token_ids, new_lp, new_top, False, meta)
+        return Chunk(out.text_delta, out.new_token_ids, new_lp, new_top, True, meta, out.text or "",
+                     self.output_ids, self.logprobs, self.top_logprobs)
 
 
 class TokenizerManager:
@@ -96,6 +104,7 @@ class TokenizerManager:
         self.pending_controls: dict[str, asyncio.Future] = {}
         self.dead_reason: str | None = None
         self.num_client_aborts = 0
+        self.latency = LatencyMetrics()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
 
@@ -162,13 +171,23 @@ class TokenizerManager:
     # ------------------------------------------------------------------ requests
     def validate(self, req: GenerateReq) -> None:
         check_input(req, self.limits)
+        self._check_rid_free(req.rid)
+
+    def _check_rid_free(self, rid: str) -> None:
+        if rid in self.rid_to_state:
+            raise ApiError(f"a request with rid {rid!r} is already running", param="rid")
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
     async def generate(self, req: GenerateReq, request=None) -> AsyncIterator[Chunk]:
         """Send one (already validated) request and yield its outputs until it finishes. If the consumer
         stops early (client gone, generator closed or cancelled) the request is aborted. Each GenerateReq
-        is sent once (its rid names it until it finishes)."""
+        is sent once (its rid names it until it finishes; a second request with a running rid is refused)."""
         self._check_alive()
-        state = ReqState(last_check=asyncio.get_running_loop().time())
+        self._check_rid_free(req.rid)
+        state = ReqState(req, self._token_text if req.return_text_in_logprobs else None,
+                         last_check=asyncio.get_running_loop().time())
         self.rid_to_state[req.rid] = state
         self._send(req)
         finished = False
@@ -180,13 +199,15 @@ class TokenizerManager:
                 if isinstance(item, ApiError):  # refused by the scheduler, or a dead child process
                     finished = True
                     raise item
+                self._record_latency(state, item)
                 chunk = state.update(item)
                 finished = item.finished
                 yield chunk
                 if finished:
                     return
         finally:
-            self.rid_to_state.pop(req.rid, None)
+            if self.rid_to_state.get(req.rid) is state:
+                del self.rid_to_state[req.rid]
             if not finished:
                 self.num_client_aborts += 1
                 if self.dead_reason is None:
@@ -194,6 +215,28 @@ class TokenizerManager:
                         self._send(AbortReq(req.rid))
                     except zmq.ZMQError:  # shutting down: the scheduler goes away too
                         pass
+
+    def _record_latency(self, state: ReqState, out: RequestOutput) -> None:
+        """SGLang's request latencies, measured here as the client sees them (from the send)."""
+        now = time.monotonic()
+        if out.new_token_ids:
+            if state.last_token_time is None:
+                self.latency.time_to_first_token.observe(now - state.created)
+            else:
+                # SGLang's rule: an interval that brought k tokens counts as k intervals of 1/k of it
+                k = len(out.new_token_ids)
+                self.latency.inter_token_latency.observe((now - state.last_token_time) / k, times=k)
+            state.last_token_time = now
+        if out.finished:
+            self.latency.e2e_request_latency.observe(now - state.created)
+
+    def abort(self, rid: str | None, abort_all: bool = False) -> list[str]:
+        """Abort running requests by rid (SGLang's /abort_request): the scheduler frees their KV and
+        each ends with finish_reason abort. Returns the rids aborted; an unknown rid is no error."""
+        rids = list(self.rid_to_state) if abort_all else [rid] if rid in self.rid_to_state else []
+        for r in rids:
+            self._send(AbortReq(r))
+        return rids
 
     async def _next(self, state: ReqState, request) -> RequestOutput | ApiError | None:
         """The next output, or None once the client is gone (checked about once a second, whether or

@@ -47,8 +47,20 @@ class Req:
     prompt_mask: torch.Tensor | None = None  # [V] tokens seen in the prompt (repetition penalty)
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    # prompt positions logprob_start_len .. end, SGLang's form: the first entry's logprob is None
     input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     sent_logprob_len: int = 0
+
+    def __post_init__(self) -> None:
+        if self.return_logprob and self.logprob_start_len < 0:
+            # SGLang: -1 means the last prompt token only (its entry is (None, token))
+            self.logprob_start_len = len(self.origin_input_ids) - 1
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        """True while the prefill still has prompt logprobs to record (never after a retraction)."""
+        return self.return_logprob and self.logprob_start_len >= 0 and not self.output_ids
 
     @property
     def all_ids(self) -> list[int]:
@@ -111,11 +123,12 @@ class Req:
     def take_output(self) -> RequestOutput:
         new = self.output_ids[self.sent_len :]
         self.sent_len = len(self.output_ids)
-        lps = tops = input_lps = None
+        lps = tops = input_lps = input_tops = None
         if self.return_logprob:
             lps = self.output_token_logprobs[self.sent_logprob_len :]
             tops = self.output_top_logprobs[self.sent_logprob_len :]
-            if self.sent_logprob_len == 0 and self.input_token_logprobs:
-                input_lps = self.input_token_logprobs
+            if self.sent_logprob_len == 0 and self.input_token_logprobs and (self.output_ids or self.finished):
+                input_lps, input_tops = self.input_token_logprobs, self.input_top_logprobs
             self.sent_logprob_len = len(self.output_token_logprobs)
-        return RequestOutput(self.rid, new, self.finished, self.finished_reason, self.meta_info(), lps, tops, input_lps)
+        return RequestOutput(self.rid, new, self.finished, self.finished_reason, self.meta_info(), lps, tops,
+                             input_lps, input_tops)

@@ -28,7 +28,7 @@ def _is_int(x: object) -> bool:
 
 
 def check_request(input_ids: list[int], params: SamplingParams, limits: ModelLimits, top_logprobs_num: int = 0,
-                  logprob_start_len: int = -1) -> None:
+                  logprob_start_len: int = -1, return_logprob: bool = False) -> None:
     """Raise InvalidRequest (with `param` and `code`) for a request that can never run."""
     n = len(input_ids)
     if n == 0:
@@ -51,3 +51,6 @@ def check_request(input_ids: list[int], params: SamplingParams, limits: ModelLim
                              param="top_logprobs_num")
     if not _is_int(logprob_start_len):
         raise InvalidRequest("logprob_start_len must be an integer", param="logprob_start_len")
+    if return_logprob and not -1 <= logprob_start_len < n:
+        raise InvalidRequest(f"logprob_start_len must be -1 (the last prompt token only) or a prompt position in "
+                             f"[0, {n})", param="logprob_start_len")

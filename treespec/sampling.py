@@ -89,6 +89,31 @@ def penalized_logits(reqs: list[Req], logits: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+def min_new_tokens_blocked(req: Req, depth: int = 0) -> tuple[int, ...]:
+    """Token ids `req` may not produce `depth` tokens after its current output: EOS and stop_token_ids
+    while fewer than min_new_tokens tokens would precede them (SGLang's min_new_tokens penalizer masks
+    exactly these, ignore_eos or not)."""
+    params = req.sampling_params
+    if len(req.output_ids) + depth >= params.min_new_tokens:
+        return ()
+    return tuple(sorted(set(params.stop_token_ids) | set(req.eos_token_ids)))
+
+
+def mask_min_new_tokens(reqs: list[Req], logits: torch.Tensor, depths: list[int] | None = None) -> torch.Tensor:
+    """logits [rows, V] with each row's blocked stop tokens at -inf (a copy if any row has some); row i
+    belongs to reqs[i], `depths[i]` tokens after its current output (0 when not given)."""
+    if not any(len(r.output_ids) < r.sampling_params.min_new_tokens for r in reqs):
+        return logits
+    blocked = [min_new_tokens_blocked(r, 0 if depths is None else depths[i]) for i, r in enumerate(reqs)]
+    if not any(blocked):
+        return logits
+    logits = logits.clone()
+    for i, ids in enumerate(blocked):
+        if ids:
+            logits[i, list(ids)] = float("-inf")
+    return logits
+
+
 def sampling_tensors(reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     ps = [r.sampling_params for r in reqs]
     return (
@@ -105,7 +130,7 @@ def sample_next_tokens(
     """One token per request from logits [bs, V]. Returns the tokens and, for requests that asked,
     (logprob of the chosen token, top-k logprobs) under the model's unmodified distribution."""
     logits = logits.float().cpu()
-    processed = penalized_logits(reqs, logits)
+    processed = mask_min_new_tokens(reqs, penalized_logits(reqs, logits))
     tokens = processed.argmax(dim=-1)
     sampled = [i for i, r in enumerate(reqs) if not r.sampling_params.greedy]
     if sampled:

@@ -78,8 +78,9 @@ class SamplingParams:
             if not ok:
                 raise InvalidRequest(msg, param=param)
 
-        check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens",
-              f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        # 0 scores the prompt (logprobs) without generating, as in SGLang
+        check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens",
+              f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
         check(_is_num(self.temperature) and self.temperature >= 0, "temperature",
               f"temperature must be >= 0, got {self.temperature!r}")
         check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p!r}")

@@ -217,7 +217,7 @@ class Scheduler:
         whose logprobs were asked for) to compute. Bigram keys already stop one short."""
         ids = req.all_ids
         limit = len(ids) if getattr(self.cache, "bigram_keys", False) else len(ids) - 1
-        if req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids:
+        if req.wants_input_logprobs:
             limit = min(limit, req.logprob_start_len)
         return self.cache.match_prefix(ids[:limit])
 
@@ -239,7 +239,7 @@ class Scheduler:
         for req, n in zip(reqs, lens, strict=True):
             done = req.kv_len + n == len(req.all_ids)
             rows = [n - 1] if done else []
-            if req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids:
+            if req.wants_input_logprobs:
                 # prompt logprobs: the logits at position p score token p + 1
                 first = max(req.logprob_start_len - req.kv_len, 0)
                 rows = sorted(set(range(first, n)) | set(rows))
@@ -257,7 +257,7 @@ class Scheduler:
         for req, n, rows in zip(reqs, lens, logit_rows, strict=True):
             start = req.kv_len
             req.kv_len += n
-            if rows and req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids:
+            if rows and req.wants_input_logprobs:
                 self._record_input_logprobs(req, output.logits[row : row + len(rows)], start, rows)
             # share what is computed so far: later requests with the same prefix hit the cache
             self.cache.cache_unfinished_req(req, req.all_ids[: req.kv_len])
@@ -267,26 +267,47 @@ class Scheduler:
             else:
                 self.chunked_req = req  # chunk boundary: continue next step
             row += len(rows)
-        if finished_prefill:
-            logits = output.logits[torch.tensor(last_rows)]
-            outputs += self._sample_and_append(finished_prefill, logits)
+        # max_new_tokens 0 (SGLang's prompt scoring): finished once prefilled, nothing sampled
+        scored = [req for req in finished_prefill if req.sampling_params.max_new_tokens == 0]
+        for req in scored:
+            req.finished_reason = {"type": "length", "length": 0}
+            self._finish(req)
+            outputs.append(req.take_output())
+        sample = [(req, r) for req, r in zip(finished_prefill, last_rows, strict=True) if not req.finished]
+        if sample:
+            logits = output.logits[torch.tensor([r for _, r in sample])]
+            outputs += self._sample_and_append([req for req, _ in sample], logits)
         if self.spec_worker is not None:
-            # draft extend over the same tokens (a finished request's KV is already released)
+            # draft extend over the same tokens (a finished request's KV is already released). It reads
+            # the token after each position; a scored prompt has none, so its last token stands in for
+            # the draft KV of its last position, which is freed, never cached (bigram keys).
+            for req in scored:
+                req.output_ids.append(req.origin_input_ids[-1])
             self.spec_worker.after_prefill(reqs, lens, batch, output)
+            for req in scored:
+                req.output_ids.pop()
         for req in finished_prefill:
             if not req.finished:
                 self.running.append(req)
         return outputs
 
     def _record_input_logprobs(self, req: Req, logits: torch.Tensor, start: int, rows: list[int]) -> None:
-        logprobs = torch.log_softmax(logits, dim=-1)
+        """SGLang's input logprobs: prompt tokens logprob_start_len .. end, the first with logprob None
+        (and top None); the logits row of position p scores token p + 1."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
         ids = req.all_ids
-        if start == 0 and req.logprob_start_len == 0:
-            req.input_token_logprobs.append((None, ids[0]))
+        if not req.input_token_logprobs:
+            req.input_token_logprobs.append((None, ids[req.logprob_start_len]))
+            req.input_top_logprobs.append(None)
         for i, r in enumerate(rows):
             pos = start + r + 1
-            if pos < len(req.origin_input_ids):
+            if req.logprob_start_len < pos < len(req.origin_input_ids):
                 req.input_token_logprobs.append((float(logprobs[i, ids[pos]]), ids[pos]))
+                if req.top_logprobs_num > 0:
+                    vals, top_ids = logprobs[i].topk(req.top_logprobs_num)
+                    req.input_top_logprobs.append(list(zip(vals.tolist(), top_ids.tolist(), strict=True)))
+                else:
+                    req.input_top_logprobs.append([])
 
     # ------------------------------------------------------------------ decode
     def _run_decode(self) -> list[RequestOutput]:

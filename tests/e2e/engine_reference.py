@@ -12,8 +12,9 @@ from treespec.tokenizer import chat_input_ids
 def main() -> None:
     spec = json.load(sys.stdin)
     engine = Engine(**spec.get("engine", {}))
+    # text as /generate encodes it (SGLang: the tokenizer's own special tokens); chats through the template
     ids = [chat_input_ids(engine.tokenizer, r["messages"]) if "messages" in r
-           else engine.tokenizer.encode(r["text"], add_special_tokens=False) for r in spec["requests"]]
+           else engine.tokenizer.encode(r["text"], add_special_tokens=True) for r in spec["requests"]]
     outs = engine.generate(input_ids=ids, sampling_params=[r["sampling_params"] for r in spec["requests"]])
     json.dump([{"input_ids": i, "output_ids": o["output_ids"], "text": o["text"]} for i, o in zip(ids, outs, strict=True)],
               sys.stdout)

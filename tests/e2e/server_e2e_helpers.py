@@ -30,13 +30,13 @@ def engine_reference(requests: list[dict], engine_kwargs: dict | None = None) ->
 
 
 def server_info(base_url: str, headers: dict | None = None) -> dict:
-    resp = httpx.get(f"{base_url}/get_server_info", headers=headers or {}, timeout=30)
+    resp = httpx.get(f"{base_url}/server_info", headers=headers or {}, timeout=30)
     resp.raise_for_status()
     return resp.json()
 
 
 def wait_idle(base_url: str, headers: dict | None = None, timeout: float = 60.0) -> dict:
-    """Poll /get_server_info until nothing runs or waits (the pool balance is then checked deeply)."""
+    """Poll /server_info until nothing runs or waits (the pool balance is then checked deeply)."""
     deadline = time.monotonic() + timeout
     while True:
         info = server_info(base_url, headers)

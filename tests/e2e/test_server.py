@@ -128,7 +128,7 @@ def test_generate_stream_and_logprobs(client, reference):
     n_out = meta["completion_tokens"]
     assert len(meta["output_token_logprobs"]) == n_out and len(meta["output_top_logprobs"]) == n_out
     assert all(len(top) == 2 for top in meta["output_top_logprobs"])
-    assert all(lp <= 0 for lp, _ in meta["output_token_logprobs"])
+    assert all(lp <= 0 and text is None for lp, _, text in meta["output_token_logprobs"])
     assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"]
     # streamed with logprobs: every event carries the ids and logprobs so far, which only grow
     with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
@@ -136,10 +136,10 @@ def test_generate_stream_and_logprobs(client, reference):
     for prev, e in zip(events, events[1:], strict=False):
         assert e["output_ids"][: len(prev["output_ids"])] == prev["output_ids"]
     for e in events:
-        assert [t for _, t in e["meta_info"]["output_token_logprobs"]] == e["output_ids"]
+        assert [t for _, t, _ in e["meta_info"]["output_token_logprobs"]] == e["output_ids"]
         assert len(e["meta_info"]["input_token_logprobs"]) == meta["prompt_tokens"]
-    assert [t for _, t in events[-1]["meta_info"]["output_token_logprobs"]] == \
-        [t for _, t in meta["output_token_logprobs"]]
+    assert [t for _, t, _ in events[-1]["meta_info"]["output_token_logprobs"]] == \
+        [t for _, t, _ in meta["output_token_logprobs"]]
     # a batch stream tags events with the prompt index; sampling_params.n runs n requests per prompt
     body = {"text": PROMPTS[:2], "stream": True, "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
     with client.stream("POST", "/generate", json=body) as r:
@@ -147,6 +147,80 @@ def test_generate_stream_and_logprobs(client, reference):
     assert {e["index"] for e in events[:-1]} == {0, 1}
     outs = client.post("/generate", json={"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 2, "n": 2}}).json()
     assert isinstance(outs, list) and len(outs) == 2
+
+
+# ---------------------------------------------------------------------------------------------- SGLang names
+def test_info_routes_under_both_names(client):
+    for new, old in (("/server_info", "/get_server_info"), ("/model_info", "/get_model_info")):
+        a, b = client.get(new), client.get(old)
+        assert a.status_code == b.status_code == 200 and set(a.json()) == set(b.json())
+    assert client.get("/model_info").json() == client.get("/get_model_info").json()
+
+
+def test_tokenize_and_detokenize(client, reference):
+    refs, _ = reference
+    resp = client.post("/tokenize", json={"prompt": PROMPTS[0]}).json()
+    assert resp["tokens"] == refs[0]["input_ids"] and resp["count"] == len(resp["tokens"])  # as /generate encodes
+    assert resp["max_model_len"] == client.get("/model_info").json()["context_length"]
+    both = client.post("/v1/tokenize", json={"prompt": PROMPTS[:2], "add_special_tokens": False}).json()
+    assert both["count"] == [len(t) for t in both["tokens"]] and len(both["tokens"]) == 2
+    assert client.post("/detokenize", json={"tokens": refs[0]["output_ids"]}).json()["text"] == refs[0]["text"]
+    texts = client.post("/detokenize", json={"tokens": [both["tokens"][0], both["tokens"][1]]}).json()["text"]
+    assert texts == PROMPTS[:2]
+    for path, body, param in (("/tokenize", {"text": "x"}, "prompt"), ("/detokenize", {"tokens": [-1]}, "tokens")):
+        resp = client.post(path, json=body)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param
+
+
+def test_logprob_triples_text_and_prompt_scoring(client, reference):
+    refs, _ = reference
+    ids = refs[0]["input_ids"]
+    body = {"input_ids": ids, "return_logprob": True, "return_text_in_logprobs": True, "top_logprobs_num": 2,
+            "logprob_start_len": 1, "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+    meta = client.post("/generate", json=body).json()["meta_info"]
+    assert [(t, text) for _, t, text in meta["input_token_logprobs"]] == \
+        [(t, client.post("/detokenize", json={"tokens": [t], "skip_special_tokens": False}).json()["text"])
+         for t in ids[1:]]
+    assert meta["input_token_logprobs"][0][0] is None and meta["input_top_logprobs"][0] is None
+    assert all(len(top) == 2 and all(len(e) == 3 for e in top) for top in meta["input_top_logprobs"][1:])
+    assert len(meta["output_top_logprobs"]) == 3 and all(isinstance(text, str) for _, _, text in
+                                                         meta["output_token_logprobs"])
+    scored = client.post("/generate", json={**body, "sampling_params": {"max_new_tokens": 0}}).json()
+    assert scored["output_ids"] == [] and scored["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    got, want = scored["meta_info"]["input_token_logprobs"], meta["input_token_logprobs"]
+    assert [e[1:] for e in got] == [e[1:] for e in want] and got[0][0] is None
+    assert [e[0] for e in got[1:]] == pytest.approx([e[0] for e in want[1:]], abs=1e-4)
+
+
+def test_client_rid_echo_duplicate_and_abort_request(client, server):
+    resp = client.post("/generate", json={"text": "Hi", "rid": "client-1", "sampling_params": {"max_new_tokens": 2}})
+    assert resp.json()["meta_info"]["id"] == "client-1"
+    before = wait_idle(server.base_url)
+    long = {"text": PROMPTS[1], "rid": "long-1", "stream": True,
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}}
+    with client.stream("POST", "/generate", json=long) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[len("data: "):])["meta_info"]["id"] == "long-1"
+        dup = client.post("/generate", json={**long, "stream": False})
+        assert dup.status_code == 400 and dup.json()["error"]["param"] == "rid"
+        assert client.post("/abort_request", json={"rid": "long-1"}).json() == {"aborted": ["long-1"]}
+        events = sse_events(lines)
+    final = events[-2]
+    assert final["meta_info"]["finish_reason"]["type"] == "abort" and len(final["output_ids"]) < 400
+    after = wait_idle(server.base_url)
+    assert after["kv_pool_balanced"] is True
+    assert after["stats"]["num_aborted_reqs"] == before["stats"]["num_aborted_reqs"] + 1
+    assert client.post("/abort_request", json={"rid": "gone"}).json() == {"aborted": []}
+
+
+def test_latency_histograms_in_metrics(client):
+    client.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})
+    text = client.get("/metrics").text
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+        assert f"# TYPE treespec:{name} histogram" in text
+        count = next(line for line in text.splitlines() if line.startswith(f"treespec:{name}_count"))
+        assert int(count.split(" ")[1]) > 0
 
 
 def test_generate_stop_string(client, reference):
@@ -276,7 +350,11 @@ BAD_REQUESTS = [
     ("/generate", {"text": ""}, 400, "prompt"),
     ("/generate", {"input_ids": LONG_IDS, "sampling_params": {"max_new_tokens": 1}}, 400, "prompt"),
     ("/generate", {"input_ids": [10**9]}, 400, "input_ids"),
-    ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 0}}, 400, None),
+    ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": -1}}, 400, "sampling_params.max_new_tokens"),
+    ("/generate", {"text": "x", "rid": ["a", "b"]}, 400, "rid"),
+    ("/generate", {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 2}, 400, "logprob_start_len"),
+    ("/abort_request", {}, 400, "rid"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
     ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 10**6}}, 400, "max_tokens"),
     ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": "8"}}, 400, None),
     ("/generate", {"text": "x", "sampling_params": {"temperature": -1}}, 400, None),

@@ -5,7 +5,7 @@ import pytest
 from treespec.request_checks import ModelLimits
 from treespec.sampling_params import SamplingParams
 from treespec.server.io_struct import GenerateReq
-from treespec.server.metrics import render_metrics
+from treespec.server.metrics import Histogram, LatencyMetrics, render_metrics
 from treespec.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -16,17 +16,22 @@ from treespec.server.openai_protocol import (
 from treespec.server.protocol import (
     ApiError,
     check_input,
+    parse_abort,
+    parse_detokenize,
     parse_generate,
     parse_json_body,
     parse_sampling_params,
+    parse_tokenize,
 )
 
 LIMITS = ModelLimits(context_len=100, max_total_num_tokens=80, vocab_size=1000)
 
 
 class FakeTokenizer:
-    def encode(self, text, add_special_tokens=False):
-        return [ord(c) % 1000 for c in text]
+    """Characters as ids, and a BOS (id 1) when asked for the tokenizer's special tokens."""
+
+    def encode(self, text, add_special_tokens=True):
+        return ([1] if add_special_tokens else []) + [ord(c) % 1000 for c in text]
 
 
 @pytest.mark.parametrize("raw", [b"", b"  ", b"{bad", b"[1, 2]", b'"text"'])
@@ -39,7 +44,8 @@ def test_bad_json_bodies(raw):
 def test_parse_generate_forms():
     tok = FakeTokenizer()
     inputs, single, stream = parse_generate({"text": "ab", "sampling_params": {"max_new_tokens": 3}}, tok)
-    assert single and not stream and inputs[0].input_ids == [97, 98] and inputs[0].sampling_params.max_new_tokens == 3
+    # text is encoded with the tokenizer's own special tokens, as SGLang does (here a BOS)
+    assert single and not stream and inputs[0].input_ids == [1, 97, 98] and inputs[0].sampling_params.max_new_tokens == 3
     inputs, single, _ = parse_generate({"text": ["a", "b"], "sampling_params": [{}, {"temperature": 0}]}, tok)
     assert not single and len(inputs) == 2 and inputs[1].sampling_params == SamplingParams(temperature=0)
     inputs, single, _ = parse_generate({"text": "a", "sampling_params": {"n": 2, "stop": "x"}}, tok)
@@ -62,6 +68,13 @@ def test_parse_generate_forms():
     ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
     ({"text": "a", "stream": "yes"}, "stream"),
     ({"text": "a", "return_logprob": 1}, "return_logprob"),
+    ({"text": "a", "return_text_in_logprobs": "y"}, "return_text_in_logprobs"),
+    ({"text": "a", "rid": 5}, "rid"),
+    ({"text": "a", "rid": ""}, "rid"),
+    ({"text": ["a", "b"], "rid": "x"}, "rid"),
+    ({"text": ["a", "b"], "rid": ["x"]}, "rid"),
+    ({"text": ["a", "b"], "rid": ["x", "x"]}, "rid"),
+    ({"text": "a", "rid": "x", "sampling_params": {"n": 2}}, "rid"),
 ])
 def test_parse_generate_errors(body, param):
     with pytest.raises(ApiError) as e:
@@ -70,7 +83,7 @@ def test_parse_generate_errors(body, param):
 
 
 @pytest.mark.parametrize("body,param,needle", [
-    ({"text": "a", "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens", "max_new_tokens"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens", "max_new_tokens"),
     ({"text": "a", "sampling_params": {"temperature": -1}}, "sampling_params.temperature", "temperature"),
     ({"text": "a", "sampling_params": {"top_p": 1.5}}, "sampling_params.top_p", "top_p"),
     ({"text": "a", "sampling_params": {"stop": [""]}}, "sampling_params.stop", "stop"),
@@ -101,6 +114,8 @@ def test_openai_sampling_params_errors_use_openai_names():
     (GenerateReq([1] * 50, SamplingParams(max_new_tokens=40)), "max_tokens", "KV slots"),
     (GenerateReq([1], SamplingParams(max_new_tokens=4), top_logprobs_num=-1), "top_logprobs_num", "top_logprobs_num"),
     (GenerateReq([1], SamplingParams(max_new_tokens=4), top_logprobs_num=21), "top_logprobs_num", "top_logprobs_num"),
+    (GenerateReq([1, 2], SamplingParams(max_new_tokens=4), True, logprob_start_len=2), "logprob_start_len", "[0, 2)"),
+    (GenerateReq([1, 2], SamplingParams(max_new_tokens=4), True, logprob_start_len=-2), "logprob_start_len", "-1"),
 ])
 def test_check_input_errors(req, param, needle):
     with pytest.raises(ApiError) as e:
@@ -167,3 +182,64 @@ def test_metrics_text():
     assert "treespec:token_usage{" in text and "treespec:spec_accept_length{" in text
     for line in text.splitlines():
         assert line.startswith("#") or len(line.split(" ")) == 2
+
+
+def test_parse_generate_rid_and_logprob_flags():
+    tok = FakeTokenizer()
+    (req,), single, _ = parse_generate({"text": "a", "rid": "mine", "return_logprob": True,
+                                         "return_text_in_logprobs": True}, tok)
+    assert single and req.rid == "mine" and req.return_logprob and req.return_text_in_logprobs
+    inputs, _, _ = parse_generate({"input_ids": [[1], [2]], "rid": ["a", "b"]}, tok)
+    assert [g.rid for g in inputs] == ["a", "b"]
+    inputs, _, _ = parse_generate({"input_ids": [[1], [2]]}, tok)
+    assert inputs[0].rid != inputs[1].rid and not inputs[0].return_text_in_logprobs
+
+
+def test_max_new_tokens_zero_scores_the_prompt():
+    (req,), _, _ = parse_generate({"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 0},
+                                   "return_logprob": True, "logprob_start_len": 0}, FakeTokenizer())
+    check_input(req, LIMITS)
+    assert req.sampling_params.max_new_tokens == 0
+
+
+def test_parse_tokenize_and_detokenize():
+    assert parse_tokenize({"prompt": "ab"}) == (["ab"], True, True)
+    assert parse_tokenize({"prompt": ["a", "b"], "add_special_tokens": False}) == (["a", "b"], False, False)
+    assert parse_detokenize({"tokens": [1, 2]}, 10) == ([[1, 2]], True, True)
+    assert parse_detokenize({"tokens": [[1], [2, 3]], "skip_special_tokens": False}, 10) == ([[1], [2, 3]], False, False)
+    assert parse_abort({"rid": "x"}) == ("x", False)
+    assert parse_abort({"abort_all": True}) == (None, True)
+
+
+@pytest.mark.parametrize("parse,body,param", [
+    (parse_tokenize, {}, "prompt"),
+    (parse_tokenize, {"text": "a"}, "prompt"),  # SGLang's field is prompt
+    (parse_tokenize, {"prompt": 3}, "prompt"),
+    (parse_tokenize, {"prompt": "a", "add_special_tokens": "no"}, "add_special_tokens"),
+    (lambda b: parse_detokenize(b, 10), {"tokens": "12"}, "tokens"),
+    (lambda b: parse_detokenize(b, 10), {"tokens": [1, 10]}, "tokens"),
+    (lambda b: parse_detokenize(b, 10), {"tokens": [[1], 2]}, "tokens"),
+    (lambda b: parse_detokenize(b, 10), {"tokens": [1], "skip_special_tokens": 0}, "skip_special_tokens"),
+    (parse_abort, {}, "rid"),
+    (parse_abort, {"rid": 3}, "rid"),
+    (parse_abort, {"rid": "x", "abort_all": "yes"}, "abort_all"),
+])
+def test_tokenize_detokenize_abort_errors_name_the_field(parse, body, param):
+    with pytest.raises(ApiError) as e:
+        parse(body)
+    assert e.value.param == param and e.value.status == 400
+
+
+def test_latency_histograms_text():
+    hist = Histogram((0.1, 1.0))
+    hist.observe(0.05)
+    hist.observe(0.5, times=3)
+    hist.observe(7.0)
+    lines = hist.render("p:x_seconds", "help", 'model_name="m"')
+    assert 'p:x_seconds_bucket{le="0.1",model_name="m"} 1' in lines
+    assert 'p:x_seconds_bucket{le="1",model_name="m"} 4' in lines  # cumulative
+    assert 'p:x_seconds_bucket{le="+Inf",model_name="m"} 5' in lines
+    assert 'p:x_seconds_count{model_name="m"} 5' in lines and 'p:x_seconds_sum{model_name="m"} 8.55' in lines
+    text = LatencyMetrics().render("m")
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+        assert f"# TYPE treespec:{name} histogram" in text

@@ -62,9 +62,16 @@ def test_chunks_carry_deltas_and_the_last_one_the_whole_result(tmp_path):
         assert (first.delta, first.new_ids, first.finished, first.text, first.output_ids) == ("Hel", [5], False, None, None)
         (last,) = rest
         assert (last.delta, last.new_ids, last.text, last.output_ids) == ("lo!", [6, 7], "Hello!", [5, 6, 7])
-        assert [t for _, t in last.meta_info["output_token_logprobs"]] == [5, 6, 7]
-        assert last.meta_info["input_token_logprobs"][0][0] is None
+        # SGLang's form: (logprob, token id, text) with the text None unless return_text_in_logprobs
+        assert last.meta_info["output_token_logprobs"] == [(-0.1, 5, None), (-0.2, 6, None), (-0.3, 7, None)]
+        assert last.meta_info["input_token_logprobs"] == [(None, 1, None), (-2.0, 2, None)]
+        assert "output_top_logprobs" not in last.meta_info  # only with top_logprobs_num > 0
+        assert first.meta_info["output_token_logprobs"] == [(-0.1, 5, None)]  # the logprobs so far
+        assert [tuple(p) for p in last.logprobs] == [(-0.1, 5), (-0.2, 6), (-0.3, 7)]  # pairs, for the OpenAI routes
         assert tm.num_pending() == 0 and tm.num_client_aborts == 0
+        latency = tm.latency
+        assert latency.time_to_first_token.count == 1 and latency.e2e_request_latency.count == 1
+        assert latency.inter_token_latency.count == 2  # one output brought two tokens: two intervals
 
     run(tmp_path, body)
 
@@ -104,5 +111,51 @@ def test_check_rejects_before_sending(tmp_path):
             tm.validate(GenerateReq([1] * 99, SamplingParams(max_new_tokens=5)))
         assert e.value.param == "max_tokens" and e.value.code == "context_length_exceeded"
         assert not sched.poll(100)
+
+    run(tmp_path, body)
+
+
+class CharTokenizer:
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(96 + i) for i in ids)
+
+
+def test_return_text_in_logprobs_decodes_each_token(tmp_path):
+    async def body(tm, sched, to_tm):
+        tm.tokenizer = CharTokenizer()
+        req = GenerateReq([1, 2], SamplingParams(max_new_tokens=1), True, top_logprobs_num=2, logprob_start_len=0,
+                          return_text_in_logprobs=True)
+        task = asyncio.ensure_future(tm.generate_full(req))
+        await recv(sched)
+        to_tm.send(encode(BatchOutput([RequestOutput(
+            req.rid, [3], True, {"type": "length", "length": 1}, {"id": req.rid}, [(-0.5, 3)], [[(-0.5, 3), (-1.5, 4)]],
+            [(None, 1), (-2.0, 2)], [None, [(-0.1, 2), (-3.0, 5)]], text="c")])))
+        meta = (await task).meta_info
+        assert meta["output_token_logprobs"] == [(-0.5, 3, "c")]
+        assert meta["output_top_logprobs"] == [[(-0.5, 3, "c"), (-1.5, 4, "d")]]
+        assert meta["input_token_logprobs"] == [(None, 1, "a"), (-2.0, 2, "b")]
+        assert meta["input_top_logprobs"] == [None, [(-0.1, 2, "b"), (-3.0, 5, "e")]]
+
+    run(tmp_path, body)
+
+
+def test_client_rid_duplicate_and_abort_by_rid(tmp_path):
+    async def body(tm, sched, to_tm):
+        req = GenerateReq([1], SamplingParams(max_new_tokens=50), rid="mine")
+        task = asyncio.ensure_future(tm.generate_full(req))
+        assert (await recv(sched)).rid == "mine"
+        with pytest.raises(ApiError) as e:
+            tm.validate(GenerateReq([1], SamplingParams(max_new_tokens=5), rid="mine"))
+        assert e.value.param == "rid" and e.value.status == 400
+        assert tm.abort("other") == [] and not sched.poll(100)  # an unknown rid: nothing to do
+        assert tm.abort("mine") == ["mine"]
+        assert (await recv(sched)) == AbortReq("mine")
+        abort = {"type": "abort", "message": "aborted"}
+        to_tm.send(encode(BatchOutput([RequestOutput("mine", [], True, abort, {"id": "mine", "finish_reason": abort},
+                                                     text="")])))
+        last = await task
+        assert last.meta_info["finish_reason"]["type"] == "abort" and last.meta_info["id"] == "mine"
+        assert tm.num_pending() == 0 and tm.num_client_aborts == 0
+        tm.validate(GenerateReq([1], SamplingParams(max_new_tokens=5), rid="mine"))  # finished: the rid is free again
 
     run(tmp_path, body)

@@ -152,16 +152,18 @@ def test_logprobs(engine):
     out = engine.generate("The sky is", {"temperature": 0, "max_new_tokens": 4}, return_logprob=True,
                           top_logprobs_num=3, logprob_start_len=0)
     meta = out["meta_info"]
-    assert [t for _, t in meta["output_token_logprobs"]] == out["output_ids"]
-    for (lp, tok), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"], strict=True):
+    # SGLang's (logprob, token id, text) triples; text None without return_text_in_logprobs
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
+    for (lp, tok, text), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"], strict=True):
         assert len(top) == 3 and top[0][1] == tok and abs(top[0][0] - lp) < 1e-5  # greedy = argmax
+        assert text is None
     prompt_ids = engine.tokenizer.encode("The sky is")
-    assert [t for _, t in meta["input_token_logprobs"]] == prompt_ids
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == prompt_ids
     assert meta["input_token_logprobs"][0][0] is None
 
 
 @pytest.mark.parametrize("bad", [
-    {"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"max_new_tokens": 0}, {"top_k": -5},
+    {"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"max_new_tokens": -1}, {"top_k": -5},
     {"min_p": 2}, {"unknown_field": 1}, {"stop": [""]}, {"max_new_tokens": "ten"},
 ])
 def test_invalid_sampling_params(engine, bad):

@@ -32,7 +32,7 @@ def choice_scores(results: list[dict], n_prefix: int) -> list[float]:
     """Mean log-probability of each choice's tokens (the input logprobs from position n_prefix on)."""
     scores = []
     for r in results:
-        lps = [lp for lp, _ in r["meta_info"].get("input_token_logprobs") or [] if lp is not None]
+        lps = [lp for lp, *_ in r["meta_info"].get("input_token_logprobs") or [] if lp is not None]
         n_choice = r["meta_info"]["prompt_tokens"] - n_prefix
         lps = lps[-n_choice:] if n_choice > 0 else []
         scores.append(sum(lps) / len(lps) if lps else -math.inf)

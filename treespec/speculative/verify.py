@@ -16,16 +16,22 @@ import torch
 
 from treespec.kernels import tree_speculative_sampling_target_only, verify_tree_greedy
 from treespec.request import Req
-from treespec.sampling import apply_sampling_filters, penalized_logits, sampling_tensors
+from treespec.sampling import apply_sampling_filters, mask_min_new_tokens, penalized_logits, sampling_tensors
 from treespec.speculative.tree import DraftTree
 
 
 def tree_penalized_logits(reqs: list[Req], logits: torch.Tensor, tree: DraftTree) -> torch.Tensor:
     """Penalties per node row: counts = the request's output counts + the draft tokens on the path
-    from the root (excluded: it is already counted) to the node (included)."""
+    from the root (excluded: it is already counted) to the node (included). min_new_tokens: the row of
+    a node at depth d picks output token len(output_ids) + d + 1, so its stop tokens are masked while
+    len(output_ids) + d < min_new_tokens, as plain sampling masks them."""
+    n = tree.num_nodes
+    if any(len(r.output_ids) < r.sampling_params.min_new_tokens for r in reqs):
+        depths = (tree.ancestors.sum(-1) - 1).reshape(-1).tolist()  # [bs*n]: each node's distance from its root
+        logits = mask_min_new_tokens([r for r in reqs for _ in range(n)], logits, depths)
     if not any(r.sampling_params.has_penalties for r in reqs):
         return logits
-    n, vocab, device = tree.num_nodes, logits.shape[-1], logits.device
+    vocab, device = logits.shape[-1], logits.device
     rows = []
     for b, req in enumerate(reqs):
         params = req.sampling_params
