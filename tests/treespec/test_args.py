@@ -227,9 +227,9 @@ def test_every_flag_has_help_text(capsys):
 def test_ngram_needs_no_draft_model_and_sizes_its_tree_with_num_draft_tokens():
     resolved = ServerArgs(model_path="/some/model", speculative_algorithm="ngram").resolve()
     assert resolved.speculative_algorithm == "NGRAM" and resolved.speculative_draft_model_path is None
-    # 8 nodes by default; num_steps / eagle_topk derived: the deepest tree, the widest branching
+    # 4 nodes by default; num_steps / eagle_topk derived: the deepest tree, the widest branching
     assert (resolved.speculative_num_draft_tokens, resolved.speculative_num_steps,
-            resolved.speculative_eagle_topk) == (8, 7, 10)
+            resolved.speculative_eagle_topk) == (4, 3, 10)
     resolved = ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5,
                           speculative_ngram_max_bfs_breadth=3).resolve()  # the default model: no shipped head used
     assert (resolved.speculative_num_draft_tokens, resolved.speculative_num_steps,

@@ -89,11 +89,11 @@ def references(model_dirs) -> dict:
     return {kind: run_all(engine_for(model_dirs, kind, ngram=False), batch_size=4) for kind in ("lookup", "random")}
 
 
-@pytest.mark.parametrize("draft_tokens", [None, 4], ids=["default-8", "draft4"])
+@pytest.mark.parametrize("draft_tokens", [None, 8], ids=["default-4", "draft8"])
 @pytest.mark.parametrize("kind", ["lookup", "random"])
 def test_greedy_ngram_matches_plain_decoding(model_dirs, references, kind, draft_tokens) -> None:
     engine = engine_for(model_dirs, kind, ngram=True, speculative_num_draft_tokens=draft_tokens)
-    assert engine.server_args.speculative_num_draft_tokens == (draft_tokens or 8)
+    assert engine.server_args.speculative_num_draft_tokens == (draft_tokens or 4)
     drafts = record_drafts(engine)
     for batch_size in (1, 4):
         assert run_all(engine, batch_size) == references[kind], f"batch size {batch_size}"
