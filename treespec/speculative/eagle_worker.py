@@ -163,5 +163,4 @@ class EagleWorker:
             tree = self._draft_tree(reqs, kv_lens, prefix_slots, roots, shape.num_steps, shape.topk,
                                     shape.num_draft_tokens)
         return verify_tree_step(reqs, tree, kv_lens, prefix_slots, self.target, self.allocator,
-                                self.draft.clamp_positions(tree.positions), self.target_capture_layers,
-                                return_all_hidden=True)
+                                self.target_capture_layers, return_all_hidden=True)

@@ -76,7 +76,5 @@ class NgramWorker:
         roots = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=self.device)
         drafts = [self.cache.draft(r.all_ids, shape.num_draft_tokens - 1) for r in reqs]
         tree = tree_from_parents(roots, [d.tokens for d in drafts], [d.parents for d in drafts], kv_lens)
-        # nodes past the context length are never emitted (max_new_tokens stops first); clamp for RoPE
-        positions = tree.positions.clamp(max=self.target.context_len - 1)
-        return verify_tree_step(reqs, tree, kv_lens, prefix_slots, self.target, self.allocator, positions,
+        return verify_tree_step(reqs, tree, kv_lens, prefix_slots, self.target, self.allocator,
                                 self.target_capture_layers, return_all_hidden=False)

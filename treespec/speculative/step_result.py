@@ -28,7 +28,6 @@ class SpecStepResult:
 
     tokens: list[list[int]]  # accepted draft tokens then the bonus token
     kept_slots: list[torch.Tensor]  # target KV slots of the accepted nodes (root first), one per token
-    accepted_drafts: list[int]  # draft tokens the target accepted (bonus excluded)
     # (logprob, top logprobs) per token under the target distribution, None where not asked for
     logprobs: list[list[tuple[float, list]] | None]
     # for the draft extend: each request's kv_len before the step, its accepted verify rows, the output
@@ -53,13 +52,15 @@ class SpecWorker(Protocol):
 
 def verify_tree_step(
     reqs: list[Req], tree: DraftTree, kv_lens: list[int], prefix_slots: list[torch.Tensor],
-    target: ModelRunner, allocator: TokenToKVPoolAllocator, positions: torch.Tensor,
-    capture_layers: tuple[int, ...], return_all_hidden: bool,
+    target: ModelRunner, allocator: TokenToKVPoolAllocator, capture_layers: tuple[int, ...],
+    return_all_hidden: bool,
 ) -> SpecStepResult:
-    """Verify `tree` (positions already clamped to the model's range) with one target forward over
-    fresh slots, keep the accepted nodes' slots for the Scheduler and free the rest."""
+    """Verify `tree` with one target forward over fresh slots, keep the accepted nodes' slots for the
+    Scheduler and free the rest."""
     bs, device = len(reqs), target.device
     verify_slots = allocator.alloc(bs * tree.num_nodes).view(bs, tree.num_nodes)
+    # nodes past the context length are never emitted (max_new_tokens stops first); clamp for RoPE
+    positions = tree.positions.clamp(max=target.context_len - 1)
     vbatch = verify_batch(tree, prefix_slots, verify_slots, positions, capture_layers, device)
     out = target.forward(vbatch, return_all_hidden=return_all_hidden)
     predicts, accept_index, accept_length = verify_tree_mixed(reqs, out.logits, tree)
@@ -70,4 +71,4 @@ def verify_tree_step(
         token_logprobs(req, out.logits[rows.to(device)], toks) if req.return_logprob else None
         for req, rows, toks in zip(reqs, accept_rows, tokens, strict=True)
     ]
-    return SpecStepResult(tokens, kept_slots, accept_length.tolist(), logprobs, kv_lens, accept_rows, out)
+    return SpecStepResult(tokens, kept_slots, logprobs, kv_lens, accept_rows, out)
