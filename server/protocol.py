@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from treespec.request_checks import ModelLimits, check_request
+from treespec.request_checks import ModelLimits, check_copies, check_request, check_rids
 from treespec.sampling_params import InvalidRequest, SamplingParams
 from treespec.server.io_struct import GenerateReq
 
@@ -80,20 +80,6 @@ def _as_list(x: Any, single: bool) -> list:
     return [x] if single else list(x)
 
 
-def _parse_rids(rid: Any, single: bool, num_prompts: int) -> list[str] | None:
-    """A client-given request id per prompt (SGLang: a string, or a list for a batch), or None."""
-    if rid is None:
-        return None
-    if single:
-        check_type(rid, isinstance(rid, str) and bool(rid), "rid", "a non-empty string for a single prompt")
-        return [rid]
-    ok = isinstance(rid, list) and len(rid) == num_prompts and all(isinstance(r, str) and r for r in rid)
-    check_type(rid, ok, "rid", f"a list of {num_prompts} non-empty strings (one per prompt)")
-    if len(set(rid)) != len(rid):
-        raise ApiError("rid must not repeat within one request", param="rid")
-    return list(rid)
-
-
 def parse_generate(body: dict[str, Any], tokenizer) -> tuple[list[GenerateReq], bool, bool]:
     """The SGLang-native /generate body -> (inputs, single, stream). Text is encoded as SGLang encodes
     it: with the tokenizer's own special tokens (a BOS where the model's tokenizer adds one)."""
@@ -111,7 +97,10 @@ def parse_generate(body: dict[str, Any], tokenizer) -> tuple[list[GenerateReq], 
                         and all(isinstance(x, list) and all(is_int(t) for t in x) for x in input_ids))
         check_type(input_ids, bool(ok), "input_ids", "a list of token ids or a non-empty list of such lists")
         id_lists = _as_list(input_ids, single)
-    rids = _parse_rids(body.get("rid"), single, len(id_lists))
+    try:
+        rids = check_rids(body.get("rid"), single, len(id_lists))
+    except InvalidRequest as e:
+        raise ApiError(str(e), param=e.param) from None
     sp = body.get("sampling_params")
     if sp is None:
         sp_list = [{} for _ in id_lists]
@@ -134,12 +123,11 @@ def parse_generate(body: dict[str, Any], tokenizer) -> tuple[list[GenerateReq], 
     check_type(start, is_int(start), "logprob_start_len", "an integer")
     inputs = []
     for i, (ids, p) in enumerate(zip(id_lists, sp_list, strict=True)):
-        n = p.pop("n", 1)
-        if not is_int(n) or not 1 <= n <= 16:
-            raise ApiError("sampling_params.n must be an integer in [1, 16]", param="sampling_params")
-        if n > 1 and rids is not None:
-            raise ApiError("rid cannot be combined with sampling_params.n > 1 (each copy needs its own id)",
-                           param="rid")
+        try:
+            n = check_copies(p.pop("n", 1), rids is not None)
+        except InvalidRequest as e:
+            raise ApiError(f"sampling_params.{e}" if e.param == "n" else str(e),
+                           param="sampling_params" if e.param == "n" else e.param) from None
         params = parse_sampling_params(p)
         extra = {"rid": rids[i]} if rids is not None else {}
         inputs += [GenerateReq(list(ids), params, flags["return_logprob"], top_n, start,

@@ -18,14 +18,12 @@ from typing import Any
 
 from treespec.args import ServerArgs
 from treespec.request import new_rid
-from treespec.request_checks import ModelLimits, check_request
+from treespec.request_checks import ModelLimits, check_copies, check_request, check_rids
 from treespec.request_output import RequestOutput, logprob_meta
 from treespec.sampling_params import InvalidRequest, SamplingParams
 from treespec.scheduler import Scheduler
 from treespec.stop_strings import finish_text, streamable_end
 from treespec.tokenizer import load_tokenizer
-
-MAX_N = 16
 
 
 @dataclass(frozen=True)
@@ -165,11 +163,7 @@ class Engine:
         rids = self._rids(rid, single, len(id_lists))
         planned: list[tuple[str, list[int], SamplingParams]] = []
         for i, (ids, d) in enumerate(zip(id_lists, dicts, strict=True)):
-            n = d.pop("n", 1)
-            if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
-                raise InvalidRequest(f"n must be an integer in [1, {MAX_N}]", param="n")
-            if n > 1 and rids is not None:
-                raise InvalidRequest("rid cannot be combined with n > 1 (each copy needs its own id)", param="rid")
+            n = check_copies(d.pop("n", 1), rids is not None)
             params = SamplingParams.from_dict(d)
             check_request(ids, params, self.limits, top_logprobs_num, logprob_start_len, return_logprob)
             planned += [(rids[i] if rids is not None else new_rid(), ids, params) for _ in range(n)]
@@ -182,18 +176,11 @@ class Engine:
         return subs, single and len(subs) == 1
 
     def _rids(self, rid: Any, single: bool, num_prompts: int) -> list[str] | None:
-        if rid is None:
-            return None
-        rids = [rid] if single else rid
-        if (not isinstance(rids, list) or len(rids) != num_prompts
-                or not all(isinstance(r, str) and r for r in rids)):
-            raise InvalidRequest("rid must be a non-empty string, or a list of them with one per prompt", param="rid")
-        if len(set(rids)) != len(rids):
-            raise InvalidRequest("rid must not repeat within one call", param="rid")
-        for r in rids:
+        rids = check_rids(rid, single, num_prompts)
+        for r in rids or ():
             if r in self._inboxes:
                 raise InvalidRequest(f"a request with rid {r!r} is already running", param="rid")
-        return list(rids)
+        return rids
 
     # ------------------------------------------------------------------ outputs out
     def _step(self) -> None:

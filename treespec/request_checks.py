@@ -54,3 +54,29 @@ def check_request(input_ids: list[int], params: SamplingParams, limits: ModelLim
     if return_logprob and not -1 <= logprob_start_len < n:
         raise InvalidRequest(f"logprob_start_len must be -1 (the last prompt token only) or a prompt position in "
                              f"[0, {n})", param="logprob_start_len")
+
+
+MAX_COPIES = 16  # sampling parameter n: copies of one prompt
+
+
+def check_rids(rid: object, single: bool, num_prompts: int) -> list[str] | None:
+    """A client-given request id per prompt (SGLang: a string, or a list for a batch), or None."""
+    if rid is None:
+        return None
+    rids = [rid] if single else rid
+    if (not isinstance(rids, list) or len(rids) != num_prompts
+            or not all(isinstance(r, str) and r for r in rids)):
+        raise InvalidRequest(f"rid must be a non-empty string, or a list of {num_prompts} (one per prompt)",
+                             param="rid")
+    if len(set(rids)) != len(rids):
+        raise InvalidRequest("rid must not repeat within one request", param="rid")
+    return list(rids)
+
+
+def check_copies(n: object, has_rid: bool) -> int:
+    """The sampling parameter n (copies of one prompt, SGLang's); a client rid names one request only."""
+    if not _is_int(n) or not 1 <= n <= MAX_COPIES:
+        raise InvalidRequest(f"n must be an integer in [1, {MAX_COPIES}]", param="n")
+    if n > 1 and has_rid:
+        raise InvalidRequest("rid cannot be combined with n > 1 (each copy needs its own id)", param="rid")
+    return n
