@@ -83,6 +83,8 @@ class ServerArgs:
     speculative_ngram_max_bfs_breadth: int = 10
     speculative_ngram_branch_length: int = 18
     speculative_ngram_capacity: int = 1_000_000  # trie nodes (SGLang: 10M, in C++)
+    # EAGLE / EAGLE3 + n-gram hybrid: n-gram nodes added to each draft tree (0 = off)
+    speculative_hybrid_ngram_tokens: int = 0
     # server
     host: str = "127.0.0.1"
     port: int = 30000
@@ -113,7 +115,13 @@ class ServerArgs:
         _check(self.device in ("auto", "cpu", "cuda") or self.device.removeprefix("cuda:").isdigit(), "--device",
                f"unknown device {self.device!r}")
         self._check_ngram()
-        return ResolvedArgs(**{**dataclasses.asdict(self), **self._resolve_speculative()})
+        _check(self.speculative_hybrid_ngram_tokens >= 0, "--speculative-hybrid-ngram-tokens",
+               "must be >= 0 (0: no n-gram nodes)")
+        spec = self._resolve_speculative()
+        _check(self.speculative_hybrid_ngram_tokens == 0 or spec["speculative_algorithm"] in ("EAGLE", "EAGLE3"),
+               "--speculative-hybrid-ngram-tokens",
+               f"applies to EAGLE / EAGLE3 only (the algorithm here is {spec['speculative_algorithm']})")
+        return ResolvedArgs(**{**dataclasses.asdict(self), **spec})
 
     def _check_ngram(self) -> None:
         """The NGRAM flags (checked whatever the algorithm, so a bad value never waits to bite)."""
@@ -266,6 +274,8 @@ FLAG_HELP = {
     "speculative_ngram_branch_length": "NGRAM: longest n-gram stored (how many recent tokens each insert spans)",
     "speculative_ngram_capacity": "NGRAM: n-gram cache size in trie nodes, shared by all requests; least "
                                   "recently used branches are evicted (~0.4 KB of host memory per node)",
+    "speculative_hybrid_ngram_tokens": "EAGLE/EAGLE3: n-gram nodes added to each draft tree where the "
+                                       "context matches the n-gram cache well (0 = off; the NGRAM flags apply)",
     "host": "HTTP host",
     "port": "HTTP port",
     "api_key": "require this key as a Bearer token (all routes but /health)",

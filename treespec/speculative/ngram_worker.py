@@ -85,4 +85,4 @@ class NgramWorker:
         drafts = [self.cache.draft(r.all_ids, shape.num_draft_tokens - 1) for r in reqs]
         tree = tree_from_parents(roots, [d.tokens for d in drafts], [d.parents for d in drafts], kv_lens)
         return verify_tree_step(reqs, tree, kv_lens, prefix_slots, self.target, self.allocator,
-                                self.target_capture_layers, return_all_hidden=False)
+                                self.target_capture_layers, return_all_hidden=False, node_sources="ngram")

@@ -1,0 +1,54 @@
+"""Hybrid draft trees (`--speculative-hybrid-ngram-tokens N`): the EAGLE / EAGLE-3 tree of a step plus
+n-gram continuations from the shared n-gram cache, merged into one tree and verified in one forward.
+
+The draft head guesses the next few tokens well in free text; the n-gram cache wins where the output
+repeats text already seen (code being edited, quotes, earlier turns), where its continuations run long.
+An n-gram draft joins the tree only when it matched at least HYBRID_MIN_MATCH context tokens: a short
+match predicts little, and on a CPU every verified node costs time. Nodes that both sources propose
+are verified once (the merge keys children by (parent, token), so siblings stay distinct, as tree
+sampling requires). Each node remembers its source, so accepted drafts are counted per source.
+"""
+
+from __future__ import annotations
+
+from treespec.speculative.tree import DraftTree
+
+HYBRID_MIN_MATCH = 3  # context tokens an n-gram draft must match before its nodes join the tree
+
+
+def tree_parents(tree: DraftTree, b: int) -> tuple[list[int], list[int]]:
+    """Request b's draft tokens and parent links (0 = the root), nodes renumbered in depth order so a
+    parent always comes before its children; padding nodes (no parent, never accepted) are left out."""
+    anc = tree.ancestors[b].cpu()
+    cand = tree.candidates[b].tolist()
+    depth = (anc.sum(dim=1) - 1).tolist()
+    order = sorted((t for t in range(1, len(cand)) if depth[t] > 0), key=lambda t: (depth[t], t))
+    new_id = {0: 0, **{t: i + 1 for i, t in enumerate(order)}}
+    tokens, parents = [], []
+    for t in order:
+        parent = max((a for a in anc[t].nonzero().flatten().tolist() if a != t), key=lambda a: depth[a])
+        tokens.append(cand[t])
+        parents.append(new_id[parent])
+    return tokens, parents
+
+
+def merge_drafts(
+    tokens: list[int], parents: list[int], extra_tokens: list[int], extra_parents: list[int], source: str,
+    extra_source: str,
+) -> tuple[list[int], list[int], list[str]]:
+    """One tree from two drafts given as (tokens, parents) with node i + 1 = draft i and parent 0 = the
+    root: the first draft's nodes, then the second's that the first lacks (a node both propose, same
+    token under the same parent, is kept once, with the first source). Returns tokens, parents and each
+    node's source."""
+    tokens, parents, sources = list(tokens), list(parents), [source] * len(tokens)
+    child = {(p, tok): i + 1 for i, (tok, p) in enumerate(zip(tokens, parents, strict=True))}
+    merged_of = {0: 0}  # the second draft's node -> its node in the merged tree
+    for j, (tok, p) in enumerate(zip(extra_tokens, extra_parents, strict=True)):
+        key = (merged_of[p], tok)
+        if key not in child:
+            tokens.append(tok)
+            parents.append(key[0])
+            sources.append(extra_source)
+            child[key] = len(tokens)
+        merged_of[j + 1] = child[key]
+    return tokens, parents, sources
