@@ -45,7 +45,7 @@ from treespec.speculative.expansion import (
     organize_draft_results,
     select_top_k_tokens,
 )
-from treespec.speculative.hybrid import HYBRID_MIN_MATCH, merge_drafts, tree_parents
+from treespec.speculative.hybrid import HYBRID_MIN_MATCH, merge_drafts, next_budget, tree_parents
 from treespec.speculative.ngram_cache import NgramCache
 from treespec.speculative.ngram_worker import ngram_config
 from treespec.speculative.shapes import SpecSchedule, SpecShape
@@ -95,6 +95,8 @@ class EagleWorker:
         # the hybrid's n-gram cache (speculative/hybrid.py): every request's prompt and committed tokens
         self.hybrid_ngram_tokens = args.speculative_hybrid_ngram_tokens
         self.ngram = NgramCache(ngram_config(args)) if self.hybrid_ngram_tokens else None
+        # rid -> (n-gram node budget, n-gram nodes in this step's tree): per-request adaptivity
+        self.ngram_budget: dict[str, tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ draft extend
     def _draft_features(self, output: ModelOutput, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -133,8 +135,11 @@ class EagleWorker:
         running keep a draft state."""
         tokens = [t[:n] for t, n in zip(result.tokens, committed, strict=True)]
         if self.ngram is not None:
-            for req, n in zip(reqs, committed, strict=True):
+            for b, (req, n) in enumerate(zip(reqs, committed, strict=True)):
                 self.ngram.insert(req.all_ids, n)
+                budget, offered = self.ngram_budget.get(req.rid, (self.hybrid_ngram_tokens, 0))
+                accepted = result.sources[b][:n].count("ngram")
+                self.ngram_budget[req.rid] = (next_budget(budget, offered, accepted, self.hybrid_ngram_tokens), 0)
         slots = [s[:n] for s, n in zip(result.kept_slots, committed, strict=True)]
         rows = [r[:n] for r, n in zip(result.accept_rows, committed, strict=True)]
         positions = torch.cat([torch.arange(k, k + n) for k, n in zip(result.kv_lens, committed, strict=True)])
@@ -193,6 +198,7 @@ class EagleWorker:
             self.catch_up([req])
         self.deferred.pop(req.rid, None)
         self.draft_states.pop(req.rid, None)
+        self.ngram_budget.pop(req.rid, None)
 
     # ------------------------------------------------------------------ drafting
     def _draft_tree(self, reqs: list[Req], kv_lens: list[int], prefix_slots: list[torch.Tensor],
@@ -249,14 +255,16 @@ class EagleWorker:
                          ) -> tuple[DraftTree, str | list[list[str]]]:
         """The hybrid tree: each request's EAGLE nodes plus up to `hybrid_ngram_tokens` n-gram nodes
         where its context matches at least HYBRID_MIN_MATCH tokens (else the EAGLE tree as it is)."""
-        drafts = [self.ngram.draft(r.all_ids, self.hybrid_ngram_tokens) for r in reqs]
+        budgets = [self.ngram_budget.get(r.rid, (self.hybrid_ngram_tokens, 0))[0] for r in reqs]
+        drafts = [self.ngram.draft(r.all_ids, n) for r, n in zip(reqs, budgets, strict=True)]
         if all(d.match_length < HYBRID_MIN_MATCH or not d.tokens for d in drafts):
             return tree, "eagle"
         tokens, parents, sources = [], [], []
-        for b, d in enumerate(drafts):
+        for b, (req, d) in enumerate(zip(reqs, drafts, strict=True)):
             t, p = tree_parents(tree, b)
             extra = (d.tokens, d.parents) if d.match_length >= HYBRID_MIN_MATCH else ([], [])
             t, p, s = merge_drafts(t, p, *extra, "eagle", "ngram")
+            self.ngram_budget[req.rid] = (budgets[b], s.count("ngram"))
             tokens.append(t)
             parents.append(p)
             sources.append(s)

@@ -91,3 +91,14 @@ def test_flag_applies_to_eagle_only() -> None:
     with pytest.raises(ArgError, match="--speculative-hybrid-ngram-tokens"):
         ServerArgs(speculative_algorithm="EAGLE3", speculative_hybrid_ngram_tokens=-1,
                    speculative_draft_model_path="x", model_path="y").resolve()
+
+
+def test_budget_follows_the_requests_own_acceptance() -> None:
+    from treespec.speculative.hybrid import HYBRID_GROWTH, MIN_BUDGET, next_budget
+
+    assert next_budget(6, offered=6, accepted=6, start=6) == 12  # copying: deeper
+    assert next_budget(16, offered=16, accepted=16, start=6) == HYBRID_GROWTH * 6
+    assert next_budget(6, offered=5, accepted=0, start=6) == 3  # failing: smaller
+    assert next_budget(3, offered=3, accepted=0, start=6) == MIN_BUDGET
+    assert next_budget(6, offered=6, accepted=2, start=6) == 6
+    assert next_budget(6, offered=0, accepted=0, start=6) == 6  # no match, no evidence
