@@ -45,7 +45,13 @@ from treespec.speculative.expansion import (
     organize_draft_results,
     select_top_k_tokens,
 )
-from treespec.speculative.hybrid import HYBRID_MIN_MATCH, merge_drafts, next_budget, tree_parents
+from treespec.speculative.hybrid import (
+    HYBRID_MIN_MATCH,
+    hybrid_ngram_config,
+    merge_drafts,
+    next_budget,
+    tree_parents,
+)
 from treespec.speculative.ngram_cache import NgramCache
 from treespec.speculative.ngram_worker import ngram_config
 from treespec.speculative.shapes import SpecSchedule, SpecShape
@@ -94,7 +100,7 @@ class EagleWorker:
         self.deferred: dict[str, list[DeferredRow]] = {}
         # the hybrid's n-gram cache (speculative/hybrid.py): every request's prompt and committed tokens
         self.hybrid_ngram_tokens = args.speculative_hybrid_ngram_tokens
-        self.ngram = NgramCache(ngram_config(args)) if self.hybrid_ngram_tokens else None
+        self.ngram = NgramCache(hybrid_ngram_config(ngram_config(args))) if self.hybrid_ngram_tokens else None
         # rid -> (n-gram node budget, n-gram nodes in this step's tree): per-request adaptivity
         self.ngram_budget: dict[str, tuple[int, int]] = {}
 

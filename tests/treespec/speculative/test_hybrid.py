@@ -102,3 +102,12 @@ def test_budget_follows_the_requests_own_acceptance() -> None:
     assert next_budget(3, offered=3, accepted=0, start=6) == MIN_BUDGET
     assert next_budget(6, offered=6, accepted=2, start=6) == 6
     assert next_budget(6, offered=0, accepted=0, start=6) == 6  # no match, no evidence
+
+
+def test_hybrid_matches_leave_room_for_long_continuations() -> None:
+    from treespec.speculative.hybrid import hybrid_ngram_config
+    from treespec.speculative.ngram_cache import NgramConfig
+
+    assert hybrid_ngram_config(NgramConfig()).max_match_window == 6  # branch length 18 // 3
+    assert hybrid_ngram_config(NgramConfig(max_match_window=4)).max_match_window == 4
+    assert hybrid_ngram_config(NgramConfig(min_match_window=8, branch_length=18)).max_match_window == 8
