@@ -38,6 +38,7 @@ from treespec.mem.allocator import TokenToKVPoolAllocator
 from treespec.mem.req_to_token import ReqToTokenPool
 from treespec.model_runner import ModelRunner
 from treespec.request import Req
+from treespec.speculative.adaptivity import HeadRecord, next_budget
 from treespec.speculative.draft_runner import DraftRunner, draft_extend_batch, draft_tree_step_batch
 from treespec.speculative.expansion import (
     draft_topk,
@@ -45,13 +46,7 @@ from treespec.speculative.expansion import (
     organize_draft_results,
     select_top_k_tokens,
 )
-from treespec.speculative.hybrid import (
-    HYBRID_MIN_MATCH,
-    hybrid_ngram_config,
-    merge_drafts,
-    next_budget,
-    tree_parents,
-)
+from treespec.speculative.hybrid import HYBRID_MIN_MATCH, hybrid_ngram_config, merge_drafts, tree_parents
 from treespec.speculative.ngram_cache import NgramCache
 from treespec.speculative.ngram_worker import ngram_config
 from treespec.speculative.shapes import SpecSchedule, SpecShape
@@ -107,6 +102,10 @@ class EagleWorker:
         # speculates (and the rest when it leaves, if it ever speculated): a plain step or a prefill
         # under load pays nothing for the hybrid (an insert costs ~65 us per token in Python).
         self.ngram_inserted: dict[str, int] = {}
+        # rid -> its measured head acceptance, and whether this step's tree has its head nodes
+        # (speculative/adaptivity.py)
+        self.head_records: dict[str, HeadRecord] = {}
+        self.head_offered: dict[str, bool] = {}
 
     # ------------------------------------------------------------------ draft extend
     def _draft_features(self, output: ModelOutput, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -142,6 +141,10 @@ class EagleWorker:
         their slots now hold cached prefix, which needs draft KV. Afterwards only requests still
         running keep a draft state."""
         tokens = [t[:n] for t, n in zip(result.tokens, committed, strict=True)]
+        for b, (req, n) in enumerate(zip(reqs, committed, strict=True)):
+            record = self.head_records.get(req.rid, HeadRecord())
+            accepted = result.sources[b][:n].count("eagle")
+            self.head_records[req.rid] = record.after_step(self.head_offered.pop(req.rid, False), accepted)
         if self.ngram is not None:
             for b, (req, n) in enumerate(zip(reqs, committed, strict=True)):
                 budget, offered = self.ngram_budget.get(req.rid, (self.hybrid_ngram_tokens, 0))
@@ -204,6 +207,8 @@ class EagleWorker:
         self.deferred.pop(req.rid, None)
         self.draft_states.pop(req.rid, None)
         self.ngram_budget.pop(req.rid, None)
+        self.head_records.pop(req.rid, None)
+        self.head_offered.pop(req.rid, None)
         done = self.ngram_inserted.pop(req.rid, 0)
         if done and len(req.all_ids) > done:  # a request that speculated leaves the rest of its text too
             self.ngram.insert(req.all_ids, len(req.all_ids) - done)
@@ -248,37 +253,45 @@ class EagleWorker:
         kv_lens = [r.kv_len for r in reqs]
         prefix_slots = [self.req_to_token_pool.read(r.req_pool_idx, 0, k) for r, k in zip(reqs, kv_lens, strict=True)]
         roots = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=self.device)
-        if shape.num_steps == 0:
-            tree = root_only_tree(roots, kv_lens)
-        else:
+        head = [shape.num_steps > 0 and self.head_records.get(r.rid, HeadRecord()).drafts for r in reqs]
+        for req, offered in zip(reqs, head, strict=True):
+            self.head_offered[req.rid] = offered
+        if any(head):
             tree = self._draft_tree(reqs, kv_lens, prefix_slots, roots, shape.num_steps, shape.topk,
                                     shape.num_draft_tokens)
-        sources: str | list[list[str]] = "eagle"
-        if self.ngram is not None:
-            tree, sources = self._add_ngram_nodes(reqs, tree, roots, kv_lens)
+        else:  # no request wants head drafts this step: no draft forwards
+            tree = root_only_tree(roots, kv_lens)
+        tree, sources = self._assemble_tree(reqs, tree, roots, kv_lens, head)
         return verify_tree_step(reqs, tree, kv_lens, prefix_slots, self.target, self.allocator,
                                 self.target_capture_layers, return_all_hidden=True, node_sources=sources)
 
-    def _add_ngram_nodes(self, reqs: list[Req], tree: DraftTree, roots: torch.Tensor, kv_lens: list[int]
-                         ) -> tuple[DraftTree, str | list[list[str]]]:
-        """The hybrid tree: each request's EAGLE nodes plus up to `hybrid_ngram_tokens` n-gram nodes
-        where its context matches at least HYBRID_MIN_MATCH tokens (else the EAGLE tree as it is)."""
+    def _assemble_tree(self, reqs: list[Req], tree: DraftTree, roots: torch.Tensor, kv_lens: list[int],
+                       head: list[bool]) -> tuple[DraftTree, str | list[list[str]]]:
+        """The tree verified: each request's head nodes where `head` says so, plus (hybrid) its n-gram
+        nodes. The head's tree as it is when nothing changes it."""
+        drafts = self._ngram_drafts(reqs) if self.ngram is not None else [None] * len(reqs)
+        usable = [d is not None and d.match_length >= HYBRID_MIN_MATCH and bool(d.tokens) for d in drafts]
+        if all(head) and not any(usable):
+            return tree, "eagle"
+        tokens, parents, sources = [], [], []
+        for b, (req, d) in enumerate(zip(reqs, drafts, strict=True)):
+            t, p = tree_parents(tree, b) if head[b] else ([], [])
+            extra = (d.tokens, d.parents) if usable[b] else ([], [])
+            t, p, s = merge_drafts(t, p, *extra, "eagle", "ngram")
+            if self.ngram is not None:
+                self.ngram_budget[req.rid] = (self.ngram_budget.get(req.rid, (self.hybrid_ngram_tokens, 0))[0],
+                                              s.count("ngram"))
+            tokens.append(t)
+            parents.append(p)
+            sources.append(s)
+        return tree_from_parents(roots, tokens, parents, kv_lens), sources
+
+    def _ngram_drafts(self, reqs: list[Req]) -> list:
+        """The hybrid's n-gram drafts, each within its request's budget (its text inserted first)."""
         for req in reqs:  # the request's text since it last speculated (its prompt, the first time)
             done = self.ngram_inserted.get(req.rid, 0)
             if len(req.all_ids) > done:
                 self.ngram.insert(req.all_ids, len(req.all_ids) - done if done else None)
                 self.ngram_inserted[req.rid] = len(req.all_ids)
         budgets = [self.ngram_budget.get(r.rid, (self.hybrid_ngram_tokens, 0))[0] for r in reqs]
-        drafts = [self.ngram.draft(r.all_ids, n) for r, n in zip(reqs, budgets, strict=True)]
-        if all(d.match_length < HYBRID_MIN_MATCH or not d.tokens for d in drafts):
-            return tree, "eagle"
-        tokens, parents, sources = [], [], []
-        for b, (req, d) in enumerate(zip(reqs, drafts, strict=True)):
-            t, p = tree_parents(tree, b)
-            extra = (d.tokens, d.parents) if d.match_length >= HYBRID_MIN_MATCH else ([], [])
-            t, p, s = merge_drafts(t, p, *extra, "eagle", "ngram")
-            self.ngram_budget[req.rid] = (budgets[b], s.count("ngram"))
-            tokens.append(t)
-            parents.append(p)
-            sources.append(s)
-        return tree_from_parents(roots, tokens, parents, kv_lens), sources
+        return [self.ngram.draft(r.all_ids, n) for r, n in zip(reqs, budgets, strict=True)]

@@ -17,8 +17,6 @@ from treespec.speculative.ngram_cache import NgramConfig
 from treespec.speculative.tree import DraftTree
 
 HYBRID_MIN_MATCH = 3  # context tokens an n-gram draft must match before its nodes join the tree
-HYBRID_GROWTH = 4  # a request's n-gram budget ranges from MIN_BUDGET to HYBRID_GROWTH x the flag
-MIN_BUDGET = 2
 
 
 def hybrid_ngram_config(config: NgramConfig) -> NgramConfig:
@@ -27,17 +25,6 @@ def hybrid_ngram_config(config: NgramConfig) -> NgramConfig:
     measured on code editing, accept length 3.3 with windows up to 6 against 3.1 up to 12)."""
     window = min(config.max_match_window, max(config.min_match_window, config.branch_length // 3))
     return dataclasses.replace(config, max_match_window=window)
-
-
-def next_budget(budget: int, offered: int, accepted: int, start: int) -> int:
-    """Per-request adaptivity: a request whose n-gram nodes were all accepted (it is copying text) gets
-    twice the budget next step, up to HYBRID_GROWTH x `start`; one whose offered nodes all failed gets
-    half, down to MIN_BUDGET; otherwise the budget stays."""
-    if offered and accepted >= offered:
-        return min(2 * budget, HYBRID_GROWTH * start)
-    if offered and accepted == 0:
-        return max(budget // 2, MIN_BUDGET)
-    return budget
 
 
 def tree_parents(tree: DraftTree, b: int) -> tuple[list[int], list[int]]:

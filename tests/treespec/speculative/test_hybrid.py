@@ -94,7 +94,7 @@ def test_flag_applies_to_eagle_only() -> None:
 
 
 def test_budget_follows_the_requests_own_acceptance() -> None:
-    from treespec.speculative.hybrid import HYBRID_GROWTH, MIN_BUDGET, next_budget
+    from treespec.speculative.adaptivity import HYBRID_GROWTH, MIN_BUDGET, next_budget
 
     assert next_budget(6, offered=6, accepted=6, start=6) == 12  # copying: deeper
     assert next_budget(16, offered=16, accepted=16, start=6) == HYBRID_GROWTH * 6
