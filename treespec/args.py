@@ -121,10 +121,12 @@ class ServerArgs:
         algo = spec["speculative_algorithm"]
         _check(not hybrid or algo in ("EAGLE", "EAGLE3"), "--speculative-hybrid-ngram-tokens",
                f"applies to EAGLE / EAGLE3 only (the algorithm here is {algo})")
-        if hybrid is None:  # tuned for the shipped heads only
+        if hybrid is None:  # tuned with the shipped heads' tuned settings only; a shape given pins the tree
             shipped = drafts.shipped_draft_path(algo) if algo in ("EAGLE", "EAGLE3") else None
             uses_shipped = shipped is not None and spec["speculative_draft_model_path"] == str(shipped)
-            hybrid = drafts.TUNED_HYBRID_NGRAM_TOKENS.get(algo, 0) if uses_shipped else 0
+            shape_given = (self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens,
+                           self.speculative_config) != (None, None, None, None)
+            hybrid = drafts.TUNED_HYBRID_NGRAM_TOKENS.get(algo, 0) if uses_shipped and not shape_given else 0
         spec["speculative_hybrid_ngram_tokens"] = hybrid
         return ResolvedArgs(**{**dataclasses.asdict(self), **spec})
 
@@ -281,8 +283,8 @@ FLAG_HELP = {
                                   "recently used branches are evicted (~0.4 KB of host memory per node)",
     "speculative_hybrid_ngram_tokens": "EAGLE/EAGLE3: n-gram nodes added to each draft tree where the "
                                        "context matches the n-gram cache well, adapting per request between 2 "
-                                       "and 4x this (0 = off; default: 6 with the shipped EAGLE-3 head, else 0; "
-                                       "the NGRAM flags apply)",
+                                       "and 4x this (0 = off; default: 6 with the shipped EAGLE-3 head at its "
+                                       "tuned setting, 0 when a tree shape flag is given; the NGRAM flags apply)",
     "host": "HTTP host",
     "port": "HTTP port",
     "api_key": "require this key as a Bearer token (all routes but /health)",
