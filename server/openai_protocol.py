@@ -25,7 +25,7 @@ UNSUPPORTED_FIELDS = {
     "prediction": "predicted outputs (prediction) are not supported",
     "reasoning_effort": "reasoning_effort is not supported",
     "verbosity": "verbosity is not supported",
-    "web_search_options": "web search is not supported",
+    "web_search_options": "web_search_options (web search) is not supported",
     "best_of": "best_of other than 1 is not supported",
     "suffix": "suffix is not supported",
     "lora_path": "LoRA adapters (lora_path) are not supported",
@@ -194,8 +194,8 @@ def parse_openai(cls: type[_Common], body: dict[str, Any]) -> Any:
     for name in body:  # an unknown field is named even when other fields are wrong too
         if name not in known:
             reason = UNSUPPORTED_FIELDS.get(name, f"{name} is not a field this server implements")
-            raise ApiError(f"{reason} (treespec answers every field it does not implement with a 400)",
-                           param=name)
+            raise ApiError(f"{reason} (treespec answers a field it does not implement with a 400, never "
+                           "ignores it)", param=name)
     try:
         req = cls.model_validate(body)
     except ValidationError as e:
