@@ -30,8 +30,6 @@ def _is_int(x: object) -> bool:
 def check_request(input_ids: list[int], params: SamplingParams, limits: ModelLimits, top_logprobs_num: int = 0,
                   logprob_start_len: int = -1, return_logprob: bool = False) -> None:
     """Raise InvalidRequest (with `param` and `code`) for a request that can never run."""
-    if params.grammar is not None:  # the fields are part of the API; the engine side lands next
-        raise InvalidRequest("grammar-constrained decoding is not built yet", param=params.grammar[0])
     n = len(input_ids)
     if n == 0:
         raise InvalidRequest("the prompt is empty", param="prompt")

@@ -2,7 +2,8 @@
 
 Every tree node's target row is processed as the plain sampler would process the logits at that
 point of the sequence: penalties see the request's output counts plus the draft tokens on the node's
-path, then greedy requests take the argmax and sampled ones the distribution of
+path, a constrained request's row is masked by its grammar state along that path
+(treespec.constrained), then greedy requests take the argmax and sampled ones the distribution of
 `treespec.sampling.apply_sampling_filters` (the function plain sampling uses). Greedy verification
 follows the argmax; lossless tree speculative sampling (kernels) the filtered distribution; both run
 in one mixed batch by giving greedy rows a one-hot distribution.
@@ -14,6 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
+from treespec.constrained import apply_tree_grammar_masks
 from treespec.kernels import tree_speculative_sampling_target_only, verify_tree_greedy
 from treespec.request import Req
 from treespec.sampling import apply_sampling_filters, mask_min_new_tokens, penalized_logits, sampling_tensors
@@ -55,7 +57,7 @@ def verify_tree_mixed(reqs: list[Req], logits: torch.Tensor, tree: DraftTree
     drawn on the host, from each request's own generator."""
     bs, n = tree.candidates.shape
     device = logits.device
-    logits = tree_penalized_logits(reqs, logits.float(), tree)
+    logits = apply_tree_grammar_masks(reqs, tree_penalized_logits(reqs, logits.float(), tree), tree)
     args = (tree.candidates, tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling)
     greedy = torch.tensor([r.sampling_params.greedy for r in reqs], device=device)
     if bool(greedy.all()):
