@@ -102,11 +102,14 @@ def test_json_schema_strict_chat_and_completions(client, sampling):
     assert finish == "stop"
     jsonschema.validate(json.loads(content), PERSON)
     prompt = "Here is a person described as JSON: "
-    comp = client.completions.create(model=MODEL, prompt=prompt, response_format=fmt, max_tokens=96, **sampling)
+    # the client's legacy completions take response_format (a treespec / SGLang extension there) as extra_body
+    comp = client.completions.create(model=MODEL, prompt=prompt, extra_body={"response_format": fmt}, max_tokens=96,
+                                     **sampling)
     assert comp.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(comp.choices[0].text), PERSON)
     text = "".join(c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt=prompt, response_format=fmt, max_tokens=96, stream=True, **sampling) if c.choices)
+        model=MODEL, prompt=prompt, extra_body={"response_format": fmt}, max_tokens=96, stream=True, **sampling)
+        if c.choices)
     jsonschema.validate(json.loads(text), PERSON)
     if sampling["temperature"] == 0:
         assert text == comp.choices[0].text and content == out.choices[0].message.content
