@@ -113,7 +113,8 @@ class SchedulerLoop:
         """Requests whose grammar did not compile: a ReqError by way of the detokenizer, which drops the
         request's settings and forwards the error to the TokenizerManager."""
         for rid, error in self.scheduler.take_refused():
-            self.to_detok.send(encode(ReqError(rid, str(error), 400, error.param)))
+            # the field as /generate names it (the OpenAI routes name their own fields)
+            self.to_detok.send(encode(ReqError(rid, str(error), 400, f"sampling_params.{error.param}")))
 
     # ------------------------------------------------------------------ control and stats
     def control(self, msg: ControlReq) -> ControlReply:

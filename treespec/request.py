@@ -47,6 +47,7 @@ class Req:
     sent_len: int = 0  # output tokens already reported
     num_retractions: int = 0
     spec_verify_ct: int = 0  # speculative steps this request took part in (meta_info's accept length)
+    spec_emitted_tokens: int = 0  # tokens those steps committed (plain steps' tokens are not counted)
     generator: torch.Generator | None = None
     output_counts: torch.Tensor | None = None  # [V] counts for frequency/presence penalties
     prompt_mask: torch.Tensor | None = None  # [V] tokens seen in the prompt (repetition penalty)
@@ -132,7 +133,7 @@ class Req:
         }
         if self.spec_verify_ct:
             info["spec_verify_ct"] = self.spec_verify_ct
-            info["spec_accept_length"] = len(self.output_ids) / self.spec_verify_ct
+            info["spec_accept_length"] = self.spec_emitted_tokens / self.spec_verify_ct
         return info
 
     def take_output(self) -> RequestOutput:

@@ -348,28 +348,36 @@ class Scheduler:
 
     # ------------------------------------------------------------------ decode
     def _run_decode(self) -> list[RequestOutput]:
-        if self.spec_worker is not None:
-            return self._run_spec_decode()
         self._make_room_for_decode(len(self.running))
+        shape = self._spec_step_shape() if self.spec_worker is not None else PLAIN_STEP
+        if shape.num_steps:
+            return self._run_spec_decode(shape)
         reqs = self.running
         out_loc = self.allocator.alloc(len(reqs))
         batch = build_decode_batch(reqs, out_loc, self.req_to_token_pool, self.device)
+        if self.spec_worker is not None:
+            batch.capture_layers = self.spec_worker.target_capture_layers
         output = self.runner.forward(batch)
         for req in reqs:
             req.kv_len += 1
-        outputs = self._sample_and_append(reqs, output.logits)
-        self.running = [r for r in reqs if not r.finished]
-        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        return outputs
+        tokens, logprob_info = sample_next_tokens(reqs, output.logits)
+        self._append_sampled(reqs, tokens, logprob_info)
+        if self.spec_worker is not None:
+            # A plain step under speculation costs what a plain server's step costs: the draft's share
+            # (its extend over the new tokens) waits until the request speculates again or leaves.
+            self.spec_worker.defer_extend(reqs, tokens, batch, output)
+        return self._end_decode_step(reqs)
 
-    def _run_spec_decode(self) -> list[RequestOutput]:
+    def _run_spec_decode(self, shape: SpecShape) -> list[RequestOutput]:
         """One speculative step for every running request: the worker drafts and verifies, then this
         commits its result once (stop rules, KV, counters) and the draft catches up on what was kept."""
-        shape = self._spec_step_shape()
         reqs = self.running
         result = self.spec_worker.decode_step(reqs, shape)
         committed = [self._commit_spec_tokens(req, result, b) for b, req in enumerate(reqs)]
         self.spec_worker.draft_extend(reqs, result, committed)
+        return self._end_decode_step(reqs)
+
+    def _end_decode_step(self, reqs: list[Req]) -> list[RequestOutput]:
         outputs = []
         for req in reqs:
             if req.finished:
@@ -381,10 +389,8 @@ class Scheduler:
 
     def _spec_step_shape(self) -> SpecShape:
         """The tree shape of this step, sized against the free KV slots (the only place that does):
-        room for a plain step per request first (retracting if even that does not fit), then the
-        schedule's tree for this batch size if evicting cached prefixes gets there, else the longest
-        chain that fits (0 steps: verify the root alone, a plain step)."""
-        self._make_room_for_decode(len(self.running))
+        the schedule's tree for this batch size if evicting cached prefixes gets there, else the longest
+        chain that fits (0 steps: a plain step). The caller made room for a plain step first."""
         bs = len(self.running)
         shape = self.spec_worker.schedule.shape_for(bs)
         if shape.num_steps == 0:
@@ -416,6 +422,7 @@ class Scheduler:
         self.allocator.free(slots[kept:])
         req.kv_len += kept
         req.spec_verify_ct += 1
+        req.spec_emitted_tokens += kept
         self.stats["spec_verify_ct"] += 1
         self.stats["spec_emitted_tokens"] += kept
         self.stats["generated_tokens"] += kept
@@ -441,17 +448,23 @@ class Scheduler:
     # ------------------------------------------------------------------ sampling and finishing
     def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> list[RequestOutput]:
         tokens, logprob_info = sample_next_tokens(reqs, logits)
+        self._append_sampled(reqs, tokens, logprob_info)
         outputs = []
+        for req in reqs:
+            if req.finished:
+                self._finish(req)
+            outputs.append(req.take_output())
+        return outputs
+
+    def _append_sampled(self, reqs: list[Req], tokens: list[int], logprob_info: list) -> None:
+        """Append one sampled token per request (stop rules mark finished requests; not released here)."""
         for i, (req, tok) in enumerate(zip(reqs, tokens, strict=True)):
             if req.return_logprob:
                 lp, top = logprob_info[i]
                 req.output_token_logprobs.append((lp, tok))
                 req.output_top_logprobs.append(top)
             self.stats["generated_tokens"] += 1
-            if req.append_token(tok, self.tokenizer):
-                self._finish(req)
-            outputs.append(req.take_output())
-        return outputs
+            req.append_token(tok, self.tokenizer)
 
     def _finish(self, req: Req) -> None:
         self._release(req)
@@ -463,6 +476,10 @@ class Scheduler:
         """Give the request's KV back: cacheable positions to the tree, the rest to the allocator."""
         if req.req_pool_idx is None:
             return
+        if self.spec_worker is not None:
+            # deferred draft extends run now: a cached position's draft KV must be current before
+            # another request can hit it (only the radix cache keeps positions for others)
+            self.spec_worker.release(req, keep_draft_kv=isinstance(self.cache, RadixCache))
         self.cache.cache_finished_req(req, req.all_ids[: req.kv_len])
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None

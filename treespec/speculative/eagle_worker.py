@@ -17,9 +17,17 @@ draft model and its per-request state. One step is:
   2. The Scheduler commits the result (stop rules, req_to_token, kv_len, surplus slots freed).
   3. `draft_extend(reqs, result, committed)`: the draft over the committed tokens, so its KV and state
      are current for the next step.
+
+Plain steps (the schedule's choice above some batch size, or too little free KV) run the target alone,
+as a plain server would: `defer_extend` keeps each new token's target features, and the draft extend
+over them runs later in one batch (`catch_up`): when the request speculates again, when it leaves
+(`release`, so the positions the radix cache keeps have current draft KV), or once it is
+MAX_DRAFT_LAG tokens behind (which bounds the features held).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -40,6 +48,17 @@ from treespec.speculative.expansion import (
 from treespec.speculative.shapes import SpecSchedule, SpecShape
 from treespec.speculative.step_result import SpecStepResult, verify_tree_step
 from treespec.speculative.tree import DraftTree, make_draft_tree, root_only_tree
+
+MAX_DRAFT_LAG = 64  # plain-step tokens a request's draft may fall behind before it catches up
+
+
+class DeferredRow(NamedTuple):
+    """One token of a plain step, as the draft extend will take it."""
+
+    position: int
+    slot: int
+    next_token: int  # the token sampled at this position: the draft's input at it
+    features: torch.Tensor  # the target's features at this position (_draft_features)
 
 
 class EagleWorker:
@@ -68,6 +87,8 @@ class EagleWorker:
             self.aux_order = torch.tensor([self.target_capture_layers.index(i) for i in layers])
         # rid -> (draft logits, draft hidden state) at the request's position kv_len - 1
         self.draft_states: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # rid -> plain-step tokens whose draft extend has not run yet (positions in order, contiguous)
+        self.deferred: dict[str, list[DeferredRow]] = {}
 
     # ------------------------------------------------------------------ draft extend
     def _draft_features(self, output: ModelOutput, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -118,6 +139,48 @@ class EagleWorker:
         self.draft_states = {r.rid: (out.logits[i], out.hidden_states[i])
                              for i, r in enumerate(reqs) if not r.finished}
 
+    def defer_extend(self, reqs: list[Req], tokens: list[int], batch: ForwardBatch, output: ModelOutput) -> None:
+        """A plain decode step ran the target alone (with the capture layers): keep what the draft extend
+        over its tokens needs and run it later, batched."""
+        feats = self._draft_features(output)
+        positions, slots = batch.positions.tolist(), batch.out_cache_loc.tolist()
+        for i, req in enumerate(reqs):
+            self.draft_states.pop(req.rid, None)  # stale until the catch-up
+            self.deferred.setdefault(req.rid, []).append(DeferredRow(positions[i], slots[i], tokens[i], feats[i]))
+        behind = [r for r in reqs if not r.finished and len(self.deferred[r.rid]) >= MAX_DRAFT_LAG]
+        self.catch_up(behind)
+
+    def catch_up(self, reqs: list[Req]) -> None:
+        """Run the deferred draft extends of `reqs` in one draft forward; each still-running request gets
+        its draft state back."""
+        reqs = [r for r in reqs if self.deferred.get(r.rid)]
+        if not reqs:
+            return
+        rows = [self.deferred.pop(r.rid) for r in reqs]
+        counts = [len(x) for x in rows]
+        flat = [row for x in rows for row in x]
+        # causal over each request's prefix and its deferred rows (their slots are in req_to_token)
+        kv_lists = [self.req_to_token_pool.read(r.req_pool_idx, 0, x[-1].position + 1) for r, x in zip(reqs, rows, strict=True)]
+        last_rows = torch.cumsum(torch.tensor(counts), 0) - 1
+        dbatch = draft_extend_batch(
+            torch.tensor([row.next_token for row in flat], device=self.device),
+            torch.tensor([row.position for row in flat], device=self.device),
+            torch.tensor([row.slot for row in flat], device=self.device),
+            build_metadata(counts, kv_lists, device=self.device),
+            torch.stack([row.features for row in flat]), last_rows.to(self.device))
+        out = self.draft.forward(dbatch)
+        for i, req in enumerate(reqs):
+            if not req.finished:
+                self.draft_states[req.rid] = (out.logits[i], out.hidden_states[i])
+
+    def release(self, req: Req, keep_draft_kv: bool) -> None:
+        """The request leaves (finished, aborted, retracted) while it still holds its KV slots: bring its
+        draft KV up to date if its positions stay cached, then forget it."""
+        if keep_draft_kv:
+            self.catch_up([req])
+        self.deferred.pop(req.rid, None)
+        self.draft_states.pop(req.rid, None)
+
     # ------------------------------------------------------------------ drafting
     def _draft_tree(self, reqs: list[Req], kv_lens: list[int], prefix_slots: list[torch.Tensor],
                     roots: torch.Tensor, steps: int, topk: int, num_nodes: int) -> DraftTree:
@@ -154,6 +217,7 @@ class EagleWorker:
     def decode_step(self, reqs: list[Req], shape: SpecShape) -> SpecStepResult:
         """Draft a tree of `shape` per request (num_steps 0: the root alone, a plain step) and verify
         it. The Scheduler sized `shape` against the free KV slots; this only allocates what it needs."""
+        self.catch_up(reqs)  # the draft KV of plain steps since the last speculative one
         kv_lens = [r.kv_len for r in reqs]
         prefix_slots = [self.req_to_token_pool.read(r.req_pool_idx, 0, k) for r, k in zip(reqs, kv_lens, strict=True)]
         roots = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=self.device)

@@ -67,6 +67,14 @@ class NgramWorker:
         for req, num_new in zip(reqs, committed, strict=True):
             self.cache.insert(req.all_ids, num_new)
 
+    def defer_extend(self, reqs: list[Req], tokens: list[int], batch: ForwardBatch, output: ModelOutput) -> None:
+        """A plain step's tokens go into the cache at once (no draft model, nothing to defer)."""
+        for req in reqs:
+            self.cache.insert(req.all_ids, 1)
+
+    def release(self, req: Req, keep_draft_kv: bool) -> None:
+        """Nothing per request to forget: the cache keeps every request's text."""
+
     def decode_step(self, reqs: list[Req], shape: SpecShape) -> SpecStepResult:
         """Draft from the cache within `shape.num_draft_tokens` nodes per request (the root included) and
         verify. The Scheduler sized `shape` against the free KV; this allocates only what the largest

@@ -2,8 +2,8 @@
 
 Users' most common complaint about EAGLE serving is that the speed-up turns into a slow-down at
 high concurrency. A schedule maps batch-size ranges to (num_steps, topk, num_draft_tokens); an entry
-with num_steps 0 means a plain decode step for that range (the draft still runs over the accepted
-token, so its KV stays current and speculation resumes as soon as the batch shrinks).
+with num_steps 0 means a plain decode step for that range (the draft's extend over its tokens is
+deferred and batched: EagleWorker.defer_extend; speculation resumes as soon as the batch shrinks).
 
 File format (JSON), entries in increasing max_batch_size, the last may have max_batch_size null:
 

@@ -49,6 +49,11 @@ class SpecWorker(Protocol):
 
     def draft_extend(self, reqs: list[Req], result: SpecStepResult, committed: list[int]) -> None: ...
 
+    # A plain step (target alone, one sampled token per request) and a request leaving with its KV.
+    def defer_extend(self, reqs: list[Req], tokens: list[int], batch: ForwardBatch, output: ModelOutput) -> None: ...
+
+    def release(self, req: Req, keep_draft_kv: bool) -> None: ...
+
 
 def verify_tree_step(
     reqs: list[Req], tree: DraftTree, kv_lens: list[int], prefix_slots: list[torch.Tensor],

@@ -61,9 +61,8 @@ def test_large_batches_fall_back_to_plain_steps_and_stay_exact(tmp_path):
                   speculative_config=write(tmp_path, SCHEDULE))
     batched = spec.generate(input_ids=prompts, sampling_params=params)
     assert [o["output_ids"] for o in batched] == [o["output_ids"] for o in expect]
-    # 4 running requests: plain steps (one token per verify) for all of them
-    # (the first token comes from the prefill)
-    assert [o["meta_info"]["spec_verify_ct"] for o in batched] == [23] * 4
+    # 4 running requests: plain decode steps only, no verify (and the draft's extends deferred)
+    assert ["spec_verify_ct" in o["meta_info"] for o in batched] == [False] * 4
     alone = spec.generate(input_ids=prompts[0], sampling_params=params)
     assert alone["output_ids"] == expect[0]["output_ids"]
     assert alone["meta_info"]["spec_verify_ct"] < 20  # batch of one: speculation is back on

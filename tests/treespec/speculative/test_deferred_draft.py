@@ -1,0 +1,111 @@
+"""Plain steps under speculation defer the draft extend (EagleWorker.defer_extend): the draft state a
+request resumes speculating from, and the draft KV a finished request leaves in the radix cache, must
+equal what an eager draft extend gives; the pool balances throughout."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from eagle_test_models import random_head, random_target
+
+from treespec.engine import Engine
+from treespec.sampling_params import SamplingParams
+from treespec.speculative import eagle_worker
+
+# speculate alone, plain steps from two running requests up
+SCHEDULE = {"schedule": [
+    {"max_batch_size": 1, "num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4},
+    {"max_batch_size": None, "num_steps": 0},
+]}
+PROMPT, OTHER = [5, 17, 99, 3, 42, 42, 7, 130], [200, 11, 64, 9]
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("deferred")
+    target = random_target(root / "target", seed=3)
+    schedule = root / "schedule.json"
+    schedule.write_text(json.dumps(SCHEDULE))
+    return {alg: (target, random_head(root / alg, alg, target, std=0.1), schedule) for alg in ("EAGLE", "EAGLE3")}
+
+
+def engine(dirs, algorithm: str) -> Engine:
+    target, head, schedule = dirs[algorithm]
+    return Engine(model_path=str(target), dtype="float32", max_total_tokens=2048, speculative_algorithm=algorithm,
+                  speculative_draft_model_path=str(head), speculative_config=str(schedule))
+
+
+def drive(eng: Engine, until=lambda: False) -> None:
+    sched = eng.scheduler
+    while sched.has_work() and not until():
+        sched.step()
+        sched.check_pool_balance()
+
+
+def prefilled_state(eng: Engine, prompt: list[int], max_new: int) -> tuple[torch.Tensor, list[int]]:
+    """Prefill `prompt` alone; the draft logits at its last position and the first sampled token."""
+    sched = eng.scheduler
+    req = sched.add_request("probe", prompt, SamplingParams(max_new_tokens=max_new, **GREEDY))
+    drive(eng, until=lambda: req in sched.running or req.finished)
+    return sched.spec_worker.draft_states["probe"][0].clone(), list(req.output_ids)
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+def test_resumed_speculation_starts_from_an_exact_draft_state(dirs, algorithm) -> None:
+    eng = engine(dirs, algorithm)
+    sched, worker = eng.scheduler, eng.scheduler.spec_worker
+    long = sched.add_request("long", PROMPT, SamplingParams(max_new_tokens=30, **GREEDY))
+    sched.add_request("short", OTHER, SamplingParams(max_new_tokens=8, **GREEDY))
+    drive(eng, until=lambda: len(sched.running) == 1 and long in sched.running)
+    assert len(worker.deferred["long"]) >= 5 and "long" not in worker.draft_states  # plain steps deferred
+    worker.catch_up([long])
+    caught_up = worker.draft_states["long"][0].clone()
+    reference, first = prefilled_state(engine(dirs, algorithm), long.all_ids[:-1], 2)
+    assert first == long.all_ids[-1:]
+    torch.testing.assert_close(caught_up, reference, rtol=1e-4, atol=1e-4)
+    drive(eng)
+    assert long.spec_verify_ct > 0  # speculation resumed
+    plain = Engine(model_path=str(dirs[algorithm][0]), dtype="float32", max_total_tokens=2048)
+    assert long.output_ids == plain.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 30, **GREEDY})[
+        "output_ids"]
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+@pytest.mark.parametrize("catch_up_on_release", [True, False])
+def test_finished_plain_request_leaves_current_draft_kv(dirs, algorithm, catch_up_on_release, monkeypatch) -> None:
+    eng = engine(dirs, algorithm)
+    sched = eng.scheduler
+    if not catch_up_on_release:  # control: what the catch-up on release protects against
+        monkeypatch.setattr(sched.spec_worker, "release", lambda req, keep_draft_kv: None)
+    first = sched.add_request("first", PROMPT, SamplingParams(max_new_tokens=12, **GREEDY))
+    sched.add_request("filler", OTHER, SamplingParams(max_new_tokens=12, **GREEDY))
+    drive(eng)  # two running requests: every decode step is plain
+    assert first.spec_verify_ct == 0
+    follow_up = first.all_ids + [64, 9, 8]
+    warm, _ = prefilled_state(eng, follow_up, 4)
+    assert sched.running[0].cached_tokens >= len(first.all_ids) - 2  # hit the finished request's KV
+    cold, _ = prefilled_state(engine(dirs, algorithm), follow_up, 4)
+    if catch_up_on_release:
+        torch.testing.assert_close(warm, cold, rtol=1e-4, atol=1e-4)
+    else:
+        assert float((warm - cold).abs().max()) > 1e-2
+
+
+def test_lag_is_bounded(dirs, monkeypatch) -> None:
+    monkeypatch.setattr(eagle_worker, "MAX_DRAFT_LAG", 4)
+    eng = engine(dirs, "EAGLE3")
+    sched, worker = eng.scheduler, eng.scheduler.spec_worker
+    for rid, prompt in (("a", PROMPT), ("b", OTHER)):
+        sched.add_request(rid, prompt, SamplingParams(max_new_tokens=20, **GREEDY))
+    longest = 0
+
+    def check() -> bool:
+        nonlocal longest
+        longest = max([longest] + [len(rows) for rows in worker.deferred.values()])
+        return False
+
+    drive(eng, until=check)
+    assert 0 < longest < 4 and not worker.deferred and not worker.draft_states
