@@ -33,7 +33,15 @@ from treespec.server.openai_tools import (
     tool_finish_reason,
 )
 from treespec.server.protocol import ApiError, is_int, parse_sampling_params
-from treespec.server.streaming import SSE_DONE, SSEResponse, gather_or_cancel, json_response, merge, sse
+from treespec.server.streaming import (
+    SSE_DONE,
+    SSEResponse,
+    gather_or_cancel,
+    json_response,
+    merge,
+    sse,
+    started,
+)
 from treespec.server.tokenizer_manager import Chunk, TokenizerManager
 from treespec.tokenizer import chat_input_ids
 
@@ -51,12 +59,6 @@ def grammar_errors_named(field: str | None) -> Iterator[None]:
             e.param = field
             e.message = f"{field}: {e.message}"
         raise
-
-
-async def _prepend(first: Chunk, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
-    yield first
-    async for c in rest:
-        yield c
 
 
 class OpenAIServing:
@@ -118,14 +120,9 @@ class OpenAIServing:
             return streams
         try:
             with grammar_errors_named(field):
-                firsts = await gather_or_cancel([anext(s) for s in streams])
-        except BaseException as e:
-            for s in streams:  # the requests that did start are aborted
-                await s.aclose()
-            if isinstance(e, StopAsyncIteration):
-                raise ApiError("the client disconnected", status=499) from None
-            raise
-        return [_prepend(f, s) for f, s in zip(firsts, streams, strict=True)]
+                return await started(streams)
+        except StopAsyncIteration:  # a request ended without output: its client went away
+            raise ApiError("the client disconnected", status=499) from None
 
     # ------------------------------------------------------------------ chat
     async def chat(self, body: dict[str, Any], request: Request) -> Response:
