@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import jinja2
+import jinja2.ext
 import jinja2.meta
 
 from treespec.server.openai_protocol import ChatCompletionRequest, ChatMessage
@@ -47,8 +48,12 @@ class TemplateTools:
     def of(cls, source: str | None) -> TemplateTools:
         if not source:
             return cls(False, False, None)
-        variables = jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(source))
-        return cls("tools" in variables, "tool_calls" in source, "hermes" if HERMES_OPEN in source else None)
+        try:  # parsed as the tokenizer compiles it (loop controls on)
+            env = jinja2.Environment(extensions=[jinja2.ext.loopcontrols])
+            takes_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
+        except jinja2.TemplateSyntaxError:  # the tokenizer reports a broken template when it renders one
+            takes_tools = False
+        return cls(takes_tools, "tool_calls" in source, "hermes" if HERMES_OPEN in source else None)
 
 
 @dataclass(frozen=True)

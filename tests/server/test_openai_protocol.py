@@ -153,6 +153,9 @@ def test_template_capabilities():
     default = Tokenizer(resolve_model_path(None))
     assert TemplateTools.of(default.chat_template_source) == TemplateTools(False, False, None)
     assert HERMES == TemplateTools(True, True, "hermes")
+    with_break = "{% for t in tools %}{{ t.function.name }}{% break %}{% endfor %}<tool_call>"
+    assert TemplateTools.of(with_break) == TemplateTools(True, False, "hermes")
+    assert TemplateTools.of("{% for %}") == TemplateTools(False, False, None)  # broken: no tools, no crash
 
 
 def test_required_is_an_any_of_name_and_arguments():
