@@ -47,7 +47,9 @@ class ScriptedTM:
                 last = k == len(pieces) - 1
                 meta = {"prompt_tokens": len(req.input_ids), "completion_tokens": k + 1,
                         "finish_reason": {"type": "stop"} if last else None}
-                yield Chunk(piece, [1], [], [], last, meta, self.script if last else None)
+                lps = [(-0.5, 42)] if req.return_logprob else []
+                yield Chunk(piece, [42], lps, [[]] if lps else [], last, meta, self.script if last else None,
+                            [42] * (k + 1) if last else None, lps * len(pieces) if last else None)
                 await asyncio.sleep(0)
         finally:
             self.closed += 1
@@ -178,3 +180,17 @@ def test_grammar_combined_with_forced_tools_is_refused():
         serve(tm, "chat", {"messages": MSGS, "tools": TOOLS, "tool_choice": "required",
                            "response_format": {"type": "json_object"}})
     assert e.value.param == "response_format" and not tm.sent
+
+
+def test_streamed_tool_calls_keep_every_logprob_and_choice():
+    """Tokens whose text the call parser holds back still send their logprobs; n choices stream apart."""
+    tm = ScriptedTM(tokenizer(), '{"name": "get_weather", "arguments": {"city": "Oslo"}}')
+    events = serve(tm, "chat", {"messages": MSGS, "tools": TOOLS, "tool_choice": "required", "stream": True,
+                                "logprobs": True, "n": 2})
+    n_chunks = -(-len(tm.script) // 5)
+    for i in range(2):
+        mine = [ch for ev in events[:-1] for ch in ev["choices"] if ch["index"] == i]
+        assert sum(len(ch["logprobs"]["content"]) for ch in mine if ch["logprobs"]) == n_chunks
+        content, calls, finish = rebuild([{"choices": mine}, None])
+        assert finish == "tool_calls" and [(c["name"], c["arguments"]) for c in calls] == [
+            ("get_weather", '{"city": "Oslo"}')]
