@@ -1,6 +1,6 @@
 """Structured output: a JSON-schema extraction workload, constrained plain decoding against constrained
-decoding with speculation (the default EAGLE-3 schedule, NGRAM), with unconstrained plain decoding as the
-reference for what the grammar costs.
+decoding with speculation (the default EAGLE-3 schedule, NGRAM) and with jump-forward (plain decoding,
+--enable-jump-forward), with unconstrained plain decoding as the reference for what the grammar costs.
 
     python benchmarks/bench_structured.py                       # all modes, 16 paragraphs, batch 1
     python benchmarks/bench_structured.py --modes plain,eagle3 --num-paragraphs 8 --json out.json
@@ -12,7 +12,7 @@ object under SCHEMA. Requests run one at a time (--batch-size to change) with gr
 
 Per mode: output tokens, seconds, output tokens/s, valid-output rate (json.loads and the schema's
 fields, types, enum and bounds; strings and the array are bounded so that a valid output fits in max_new_tokens), accept length (tokens per verify step, speculative modes) and how
-many outputs equal constrained plain decoding's token for token.
+many outputs equal constrained plain decoding's token for token, and tokens appended by jump-forward.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ MODES = {
     "plain": {"speculative_algorithm": "NONE"},
     "eagle3": {},  # the default model's default: EAGLE-3 with its schedule
     "ngram": {"speculative_algorithm": "NGRAM"},
+    "jump_forward": {"speculative_algorithm": "NONE", "enable_jump_forward": True},
     "unconstrained": {"speculative_algorithm": "NONE"},
 }
 
@@ -84,7 +85,7 @@ def run_mode(mode: str, texts: list[str], args) -> dict:
     if mode != "unconstrained":
         params["json_schema"] = json.dumps(SCHEMA)
     engine.generate(input_ids=ids[0], sampling_params={**params, "max_new_tokens": 8})  # warm-up (and compile)
-    engine.scheduler.stats.update(spec_verify_ct=0, spec_emitted_tokens=0)
+    engine.scheduler.stats.update(spec_verify_ct=0, spec_emitted_tokens=0, jump_forward_tokens=0)
     outs = []
     start = time.perf_counter()
     for i in range(0, len(ids), args.batch_size):
@@ -95,6 +96,7 @@ def run_mode(mode: str, texts: list[str], args) -> dict:
     stats = engine.get_stats()
     tokens = sum(len(o["output_ids"]) for o in outs)
     return {"mode": mode, "algorithm": engine.server_args.speculative_algorithm, "requests": len(outs),
+            "jump_forward_tokens": stats["jump_forward_tokens"],
             "output_tokens": tokens, "seconds": seconds, "output_tok_s": tokens / seconds,
             "valid_rate": sum(valid(o["text"]) for o in outs) / len(outs),
             "accept_length": stats["avg_spec_accept_length"] or None,
@@ -118,7 +120,7 @@ def main() -> None:
     rows = [run_mode(m, texts, args) for m in modes]
     plain = next((r for r in rows if r["mode"] == "plain"), None)
     print(f"{len(texts)} paragraphs from {len(texts)} package descriptions, batch size {args.batch_size}, greedy")
-    print(f"{'mode':<14}{'tokens':>8}{'seconds':>9}{'tok/s':>8}{'valid':>8}{'accept':>8}{'= plain':>9}{'speedup':>9}")
+    print(f"{'mode':<14}{'tokens':>8}{'seconds':>9}{'tok/s':>8}{'valid':>8}{'accept':>8}{'= plain':>9}{'speedup':>9}{'jumped':>8}")
     for r in rows:
         same = (sum(a == b for a, b in zip(r["output_ids"], plain["output_ids"], strict=True))
                 if plain and r["mode"] != "unconstrained" else None)
@@ -128,7 +130,7 @@ def main() -> None:
         print(f"{r['mode']:<14}{r['output_tokens']:>8}{r['seconds']:>9.1f}{r['output_tok_s']:>8.1f}"
               f"{r['valid_rate']:>8.0%}{(r['accept_length'] or 0):>8.2f}"
               f"{equal:>9}"
-              f"{(r['speedup_vs_plain'] or 0):>8.2f}x")
+              f"{(r['speedup_vs_plain'] or 0):>8.2f}x{r['jump_forward_tokens']:>8}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"paragraphs": texts, "schema": SCHEMA, "rows": rows}, f, indent=1)

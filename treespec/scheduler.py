@@ -40,6 +40,8 @@ IN_BATCH_PREFIX_MIN = 32  # defer a request sharing this many uncached tokens wi
 INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY = 0.7, 0.1, 0.001
 PLAIN_STEP = SpecShape(0, 1, 1)  # a speculative step without drafts: the root alone is verified
 GRAMMAR_WAIT_S = 0.05  # an idle step waits this long for a grammar being compiled
+# a jump-forward costs a prefill step over its tokens: worth it from two tokens on
+MIN_JUMP_FORWARD_TOKENS = 2
 
 if TYPE_CHECKING:
     from treespec.speculative.step_result import SpecStepResult, SpecWorker
@@ -91,7 +93,8 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness
         self.stats = {"num_retractions": 0, "prompt_tokens": 0, "cached_tokens": 0,
                       "generated_tokens": 0, "num_finished": 0, "prefill_tokens": 0,
-                      "spec_verify_ct": 0, "spec_emitted_tokens": 0, "spec_shrunk_steps": 0}
+                      "spec_verify_ct": 0, "spec_emitted_tokens": 0, "spec_shrunk_steps": 0,
+                      "jump_forward_tokens": 0}
         # the one accept counter: tokens committed per request per verify step (stats above pool it)
         self.spec_accept_histogram: Counter[int] = Counter()
         self.start_time = time.time()
@@ -378,14 +381,37 @@ class Scheduler:
         return self._end_decode_step(reqs)
 
     def _end_decode_step(self, reqs: list[Req]) -> list[RequestOutput]:
+        jumped = self._jump_forward(reqs) if self.args.enable_jump_forward else set()
         outputs = []
         for req in reqs:
             if req.finished:
                 self._finish(req)
             outputs.append(req.take_output())
-        self.running = [r for r in reqs if not r.finished]
+        self.running = [r for r in reqs if not r.finished and id(r) not in jumped]
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return outputs
+
+    def _jump_forward(self, reqs: list[Req]) -> set[int]:
+        """Append the text each constrained request's grammar forces now (JSON keys, punctuation) without
+        a model step. Those tokens have no KV yet: the request goes back to the queue and its next prefill
+        computes them (the rest of its sequence is a cache hit). Returns id() of the requeued requests."""
+        jumped = set()
+        for req in reqs:
+            if req.grammar is None or req.finished or req.return_logprob:
+                continue
+            tokens = req.grammar.jump_forward_tokens(self.tokenizer)
+            if len(tokens) < MIN_JUMP_FORWARD_TOKENS:
+                continue
+            for tok in tokens:
+                self.stats["jump_forward_tokens"] += 1
+                if req.append_token(tok, self.tokenizer):
+                    break
+            if not req.finished:
+                self._release(req)
+                req.kv_len = 0
+                self.waiting.appendleft(req)
+                jumped.add(id(req))
+        return jumped
 
     def _spec_step_shape(self) -> SpecShape:
         """The tree shape of this step, sized against the free KV slots (the only place that does):

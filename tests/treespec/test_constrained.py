@@ -222,3 +222,41 @@ def test_scheduler_refuses_a_queued_request_whose_grammar_fails(engine):
     refused = sched.take_refused()
     assert [(rid, e.param) for rid, e in refused] == [("bad", "json_schema")]
     assert "wrong" in str(refused[0][1]) and ok.finished and sched.take_refused() == []
+
+
+@pytest.mark.parametrize("algorithm", ["NONE", "NGRAM"])
+def test_jump_forward_appends_forced_text_without_model_steps(tiny_dir, algorithm):
+    """--enable-jump-forward: where the grammar forces text the request takes it without a model step
+    (then one prefill over it); outputs stay valid, take fewer forward passes, and the pool balances."""
+    regex = r"The answer is (yes|no)\. The reason: [a-z]{3,8} is the (cause|answer)\."
+    params = {"regex": regex, "max_new_tokens": 80}
+    passes = {}
+    for jump in (False, True):
+        eng = Engine(str(tiny_dir), dtype="float32", max_total_tokens=8192, num_threads=1,
+                     speculative_algorithm=algorithm, enable_jump_forward=jump)
+        forwards = 0
+        real_forward = eng.scheduler.runner.forward
+
+        def counting_forward(*args, _real=real_forward, **kwargs):
+            nonlocal forwards
+            forwards += 1
+            return _real(*args, **kwargs)
+
+        eng.scheduler.runner.forward = counting_forward
+        for i, prompt in enumerate(PROMPTS):
+            outs = eng.generate([prompt, prompt], [{**params, "temperature": 0},
+                                                   {**params, "temperature": 1.0, "seed": i}])
+            for out in outs:
+                assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+                assert re.fullmatch(regex, out["text"]), out["text"]
+        eng.check_pool_balance()
+        assert (eng.get_stats()["jump_forward_tokens"] > 0) == jump
+        passes[jump] = forwards
+    assert passes[True] < passes[False], passes
+
+
+def test_jump_forward_needs_the_radix_cache():
+    from treespec.args import ArgError, ServerArgs
+
+    with pytest.raises(ArgError, match="--enable-jump-forward"):
+        ServerArgs(enable_jump_forward=True, disable_radix_cache=True).resolve()

@@ -49,11 +49,22 @@ class GrammarState:
         """The text the grammar forces from here (empty if it allows a choice)."""
         return self.matcher.find_jump_forward_string()
 
-    def accept_string(self, text: str) -> bool:
-        return self.matcher.accept_string(text)
-
-    def rollback(self, num_tokens: int) -> None:
-        self.matcher.rollback(num_tokens)
+    def jump_forward_tokens(self, tokenizer) -> list[int]:
+        """Tokens for the text the grammar forces from here, as the tokenizer encodes that text alone,
+        without its last token (which may merge with what the model writes next) and cut where the
+        grammar stops accepting them. The matcher's state is unchanged."""
+        text = self.jump_forward_string()
+        if not text:
+            return []
+        tokens = tokenizer.encode(text, add_special_tokens=False)[:-1]
+        accepted = 0
+        for tok in tokens:
+            if not self.matcher.accept_token(tok):
+                break
+            accepted += 1
+        if accepted:
+            self.matcher.rollback(accepted)
+        return tokens[:accepted]
 
     def fill_tree_masks(self, tree: DraftTree, b: int, bitmask: torch.Tensor) -> None:
         """bitmask [n, words]: node t's row = the tokens allowed after the path root .. t of request b's
