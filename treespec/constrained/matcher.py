@@ -27,6 +27,8 @@ class GrammarState:
 
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)
+        # a model without a stop token ends a request once its grammar is complete and allows no more
+        self.no_stop_token = not compiled.tokenizer_info.stop_token_ids
         self.vocab_size = compiled.tokenizer_info.vocab_size
 
     def accept(self, token: int) -> bool:
@@ -35,8 +37,15 @@ class GrammarState:
 
     @property
     def terminated(self) -> bool:
-        """The grammar is complete and its stop token was accepted: the request is done."""
-        return self.matcher.is_terminated()
+        """The grammar is complete and its stop token was accepted (or, for a model without one, it
+        allows nothing more): the request is done."""
+        if self.matcher.is_terminated():
+            return True
+        if not (self.no_stop_token and self.matcher.is_completed()):
+            return False
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        self.matcher.fill_next_token_bitmask(bitmask, 0)
+        return not bool(bitmask.any())
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
