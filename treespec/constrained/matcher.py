@@ -75,6 +75,34 @@ class GrammarState:
             self.matcher.rollback(accepted)
         return tokens[:accepted]
 
+    def allowed_drafts(self, tokens: list[int], parents: list[int], max_drafts: int) -> tuple[list[int], list[int]]:
+        """Draft nodes (breadth-first, `parents[i]` = 0 for the root or j + 1 for draft j) cut to those whose
+        path from the root the grammar accepts, at most `max_drafts`, renumbered the same way: the tree's
+        budget goes to tokens that can be accepted. The matcher's state is unchanged."""
+        new_number = {0: 0}  # old node number -> new
+        kept_tokens: list[int] = []
+        kept_parents: list[int] = []
+        paths: dict[int, list[int]] = {0: []}
+        for i, (tok, parent) in enumerate(zip(tokens, parents, strict=True)):
+            if len(kept_tokens) == max_drafts:
+                break
+            if parent not in new_number:
+                continue  # under a rejected node
+            path = paths[parent] + [tok]
+            accepted = 0
+            for t in path:
+                if not self.matcher.accept_token(t):
+                    break
+                accepted += 1
+            self.matcher.rollback(accepted)
+            if accepted < len(path):
+                continue
+            kept_tokens.append(tok)
+            kept_parents.append(new_number[parent])
+            new_number[i + 1] = len(kept_tokens)
+            paths[i + 1] = path
+        return kept_tokens, kept_parents
+
     def fill_tree_masks(self, tree: DraftTree, b: int, bitmask: torch.Tensor) -> None:
         """bitmask [n, words]: node t's row = the tokens allowed after the path root .. t of request b's
         tree. Nodes the grammar rejects (and their subtrees) can never be accepted; their rows allow
