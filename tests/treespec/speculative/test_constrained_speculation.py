@@ -91,10 +91,24 @@ def references(model_dirs) -> dict:
 def test_constrained_greedy_speculation_equals_plain(model_dirs, references, kind, algorithm, name):
     engine = make_engine(model_dirs, kind, algorithm)
     grammar = GRAMMARS[name]
+    constrained_drafts: list[int] = []
+    if algorithm == "NGRAM":  # a constrained request's n-gram drafts are cut to what its grammar allows
+        worker = engine.scheduler.spec_worker
+        real_draft = worker._draft
+
+        def recording_draft(req, max_drafts):
+            tokens, parents = real_draft(req, max_drafts)
+            if req.grammar is not None:
+                constrained_drafts.extend(tokens)
+            return tokens, parents
+
+        worker._draft = recording_draft
     assert run(engine, 1, [params(i, grammar) for i in range(len(PROMPTS))]) == references[(kind, name)]
     assert run(engine, 4, mixed_params(grammar)) == references[(kind, name, "mixed")]
     stats = engine.get_stats()
     assert stats["spec_verify_ct"] > 0
+    if algorithm == "NGRAM":
+        assert constrained_drafts and set(constrained_drafts) <= set(ALLOWED)
     if kind == "lookup":  # drafts are accepted under the grammar: constrained requests really speculate
         assert stats["avg_spec_accept_length"] > 1.5, stats["avg_spec_accept_length"]
 
