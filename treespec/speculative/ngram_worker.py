@@ -96,4 +96,4 @@ class NgramWorker:
         drafts = [self._draft(r, shape.num_draft_tokens - 1) for r in reqs]
         tree = tree_from_parents(roots, [d[0] for d in drafts], [d[1] for d in drafts], kv_lens)
         return verify_tree_step(reqs, tree, kv_lens, prefix_slots, self.target, self.allocator,
-                                self.target_capture_layers, return_all_hidden=False)
+                                self.target_capture_layers, return_all_hidden=False, node_sources="ngram")
