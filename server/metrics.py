@@ -97,4 +97,11 @@ def render_metrics(stats: dict[str, Any], model_name: str, prefix: str = "treesp
         lines.append(f"# HELP {full} {help_text}")
         lines.append(f"# TYPE {full} {kind}")
         lines.append(f"{full}{labels} {float(value):.6g}" if isinstance(value, float) else f"{full}{labels} {int(value)}")
+    # committed draft tokens by source (eagle, ngram), one labelled series each
+    full = f"{prefix}:spec_accepted_drafts_total"
+    lines.append(f"# HELP {full} Draft tokens accepted and committed since start, by draft source.")
+    lines.append(f"# TYPE {full} counter")
+    for key in sorted(k for k in stats if k.startswith("spec_accepted_drafts_")):
+        source = _label_value(key.removeprefix("spec_accepted_drafts_"))
+        lines.append(f'{full}{{model_name="{_label_value(model_name)}",source="{source}"}} {int(stats[key])}')
     return "\n".join(lines) + "\n"

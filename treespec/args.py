@@ -84,6 +84,8 @@ class ServerArgs:
     speculative_ngram_max_bfs_breadth: int = 10
     speculative_ngram_branch_length: int = 18
     speculative_ngram_capacity: int = 1_000_000  # trie nodes (SGLang: 10M, in C++)
+    # EAGLE / EAGLE3 + n-gram hybrid: n-gram nodes added to each draft tree (0 = off)
+    speculative_hybrid_ngram_tokens: int | None = None  # None: the tuned value with a shipped head, else 0
     # server
     host: str = "127.0.0.1"
     port: int = 30000
@@ -116,7 +118,18 @@ class ServerArgs:
         _check(not (self.enable_jump_forward and self.disable_radix_cache), "--enable-jump-forward",
                "needs the radix cache (a jump-forward re-prefills the request over its cached prefix)")
         self._check_ngram()
-        return ResolvedArgs(**{**dataclasses.asdict(self), **self._resolve_speculative()})
+        hybrid = self.speculative_hybrid_ngram_tokens
+        _check(hybrid is None or hybrid >= 0, "--speculative-hybrid-ngram-tokens", "must be >= 0 (0: no n-gram nodes)")
+        spec = self._resolve_speculative()
+        algo = spec["speculative_algorithm"]
+        _check(not hybrid or algo in ("EAGLE", "EAGLE3"), "--speculative-hybrid-ngram-tokens",
+               f"applies to EAGLE / EAGLE3 only (the algorithm here is {algo})")
+        if hybrid is None:  # tuned for the shipped heads only
+            shipped = drafts.shipped_draft_path(algo) if algo in ("EAGLE", "EAGLE3") else None
+            uses_shipped = shipped is not None and spec["speculative_draft_model_path"] == str(shipped)
+            hybrid = drafts.TUNED_HYBRID_NGRAM_TOKENS.get(algo, 0) if uses_shipped else 0
+        spec["speculative_hybrid_ngram_tokens"] = hybrid
+        return ResolvedArgs(**{**dataclasses.asdict(self), **spec})
 
     def _check_ngram(self) -> None:
         """The NGRAM flags (checked whatever the algorithm, so a bad value never waits to bite)."""
@@ -272,6 +285,10 @@ FLAG_HELP = {
     "speculative_ngram_branch_length": "NGRAM: longest n-gram stored (how many recent tokens each insert spans)",
     "speculative_ngram_capacity": "NGRAM: n-gram cache size in trie nodes, shared by all requests; least "
                                   "recently used branches are evicted (~0.4 KB of host memory per node)",
+    "speculative_hybrid_ngram_tokens": "EAGLE/EAGLE3: n-gram nodes added to each draft tree where the "
+                                       "context matches the n-gram cache well, adapting per request between 2 "
+                                       "and 4x this (0 = off; default: 6 with the shipped EAGLE-3 head, else 0; "
+                                       "the NGRAM flags apply)",
     "host": "HTTP host",
     "port": "HTTP port",
     "api_key": "require this key as a Bearer token (all routes but /health)",

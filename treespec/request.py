@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -48,6 +49,7 @@ class Req:
     num_retractions: int = 0
     spec_verify_ct: int = 0  # speculative steps this request took part in (meta_info's accept length)
     spec_emitted_tokens: int = 0  # tokens those steps committed (plain steps' tokens are not counted)
+    spec_accepted_drafts: Counter = field(default_factory=Counter)  # committed draft tokens by source
     generator: torch.Generator | None = None
     output_counts: torch.Tensor | None = None  # [V] counts for frequency/presence penalties
     prompt_mask: torch.Tensor | None = None  # [V] tokens seen in the prompt (repetition penalty)
@@ -134,6 +136,7 @@ class Req:
         if self.spec_verify_ct:
             info["spec_verify_ct"] = self.spec_verify_ct
             info["spec_accept_length"] = self.spec_emitted_tokens / self.spec_verify_ct
+            info["spec_accepted_drafts_by_source"] = dict(self.spec_accepted_drafts)
         return info
 
     def take_output(self) -> RequestOutput:

@@ -97,6 +97,7 @@ class Scheduler:
                       "jump_forward_tokens": 0}
         # the one accept counter: tokens committed per request per verify step (stats above pool it)
         self.spec_accept_histogram: Counter[int] = Counter()
+        self.spec_accepted_drafts: Counter[str] = Counter()  # committed draft tokens by source
         self.start_time = time.time()
         self._seed_counter = args.random_seed
 
@@ -436,10 +437,13 @@ class Scheduler:
         decoding would; keep the KV of the tokens kept, free the rest. Returns the count kept."""
         tokens, slots, logprobs = result.tokens[b], result.kept_slots[b], result.logprobs[b]
         kept = 0
-        for tok in tokens:
+        for tok, source in zip(tokens, result.sources[b], strict=True):
             if logprobs is not None:
                 req.output_token_logprobs.append((logprobs[kept][0], tok))
                 req.output_top_logprobs.append(logprobs[kept][1])
+            if source != "target":
+                req.spec_accepted_drafts[source] += 1
+                self.spec_accepted_drafts[source] += 1
             kept += 1
             if req.append_token(tok, self.tokenizer):
                 break
@@ -537,6 +541,7 @@ class Scheduler:
             "token_usage": 1 - (self.allocator.available_size() + self.cache.evictable_size()) / self.allocator.size,
             "cache_hit_rate": self.stats["cached_tokens"] / prompt if prompt else 0.0,
             "speculative_algorithm": self.args.speculative_algorithm,
+            **{f"spec_accepted_drafts_{src}": n for src, n in sorted(self.spec_accepted_drafts.items())},
             # tokens emitted per verify step (accepted drafts + the bonus token), since start
             "avg_spec_accept_length": (
                 self.stats["spec_emitted_tokens"] / self.stats["spec_verify_ct"] if self.stats["spec_verify_ct"] else 0.0

@@ -176,10 +176,12 @@ def test_openai_sampling_translation():
 
 def test_metrics_text():
     text = render_metrics({"num_running_reqs": 2, "token_usage": 0.25, "generated_tokens": 10,
-                           "avg_spec_accept_length": None}, 'm"odel')
+                           "avg_spec_accept_length": None, "spec_accepted_drafts_eagle": 7,
+                           "spec_accepted_drafts_ngram": 3}, 'm"odel')
     assert 'treespec:num_running_reqs{model_name="m\\"odel"} 2' in text
     assert "# TYPE treespec:generated_tokens_total counter" in text
     assert "treespec:token_usage{" in text and "treespec:spec_accept_length{" in text
+    assert 'treespec:spec_accepted_drafts_total{model_name="m\\"odel",source="ngram"} 3' in text
     for line in text.splitlines():
         assert line.startswith("#") or len(line.split(" ")) == 2
 

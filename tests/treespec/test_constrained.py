@@ -260,3 +260,19 @@ def test_jump_forward_needs_the_radix_cache():
 
     with pytest.raises(ArgError, match="--enable-jump-forward"):
         ServerArgs(enable_jump_forward=True, disable_radix_cache=True).resolve()
+
+
+def test_allowed_drafts_keep_the_paths_the_grammar_accepts(engine):
+    """NGRAM drafts of a constrained request: nodes whose path the grammar rejects (and everything under
+    them) are dropped, the rest renumbered breadth-first, at most max_drafts kept; the matcher's state
+    does not move."""
+    from treespec.constrained import GrammarState
+
+    state = GrammarState(engine.scheduler.grammars.get("regex", "ab(c|d)e"))
+    a, b, c, d, e, z = (engine.tokenizer.encode(ch, add_special_tokens=False)[0] for ch in "abcdez")
+    # node 1 a, node 2 z (rejected), node 3 b under a, node 4 c under z (dropped), node 5 z under b
+    # (rejected), node 6 d under b, node 7 e under d
+    tokens, parents = [a, z, b, c, z, d, e], [0, 0, 1, 2, 3, 3, 6]
+    assert state.allowed_drafts(tokens, parents, 8) == ([a, b, d, e], [0, 1, 2, 3])
+    assert state.allowed_drafts(tokens, parents, 2) == ([a, b], [0, 1])
+    assert state.accept(a) and state.accept(b) and state.accept(c)  # the state was left at the start

@@ -27,6 +27,8 @@ class GrammarState:
 
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)
+        # a model without a stop token ends a request once its grammar is complete and allows no more
+        self.no_stop_token = not compiled.tokenizer_info.stop_token_ids
         self.vocab_size = compiled.tokenizer_info.vocab_size
 
     def accept(self, token: int) -> bool:
@@ -35,8 +37,15 @@ class GrammarState:
 
     @property
     def terminated(self) -> bool:
-        """The grammar is complete and its stop token was accepted: the request is done."""
-        return self.matcher.is_terminated()
+        """The grammar is complete and its stop token was accepted (or, for a model without one, it
+        allows nothing more): the request is done."""
+        if self.matcher.is_terminated():
+            return True
+        if not (self.no_stop_token and self.matcher.is_completed()):
+            return False
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        self.matcher.fill_next_token_bitmask(bitmask, 0)
+        return not bool(bitmask.any())
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
@@ -65,6 +74,34 @@ class GrammarState:
         if accepted:
             self.matcher.rollback(accepted)
         return tokens[:accepted]
+
+    def allowed_drafts(self, tokens: list[int], parents: list[int], max_drafts: int) -> tuple[list[int], list[int]]:
+        """Draft nodes (breadth-first, `parents[i]` = 0 for the root or j + 1 for draft j) cut to those whose
+        path from the root the grammar accepts, at most `max_drafts`, renumbered the same way: the tree's
+        budget goes to tokens that can be accepted. The matcher's state is unchanged."""
+        new_number = {0: 0}  # old node number -> new
+        kept_tokens: list[int] = []
+        kept_parents: list[int] = []
+        paths: dict[int, list[int]] = {0: []}
+        for i, (tok, parent) in enumerate(zip(tokens, parents, strict=True)):
+            if len(kept_tokens) == max_drafts:
+                break
+            if parent not in new_number:
+                continue  # under a rejected node
+            path = paths[parent] + [tok]
+            accepted = 0
+            for t in path:
+                if not self.matcher.accept_token(t):
+                    break
+                accepted += 1
+            self.matcher.rollback(accepted)
+            if accepted < len(path):
+                continue
+            kept_tokens.append(tok)
+            kept_parents.append(new_number[parent])
+            new_number[i + 1] = len(kept_tokens)
+            paths[i + 1] = path
+        return kept_tokens, kept_parents
 
     def fill_tree_masks(self, tree: DraftTree, b: int, bitmask: torch.Tensor) -> None:
         """bitmask [n, words]: node t's row = the tokens allowed after the path root .. t of request b's

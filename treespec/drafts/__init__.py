@@ -10,6 +10,10 @@ SHIPPED = {"EAGLE3": "smollm2-135m-eagle3", "EAGLE": "smollm2-135m-eagle"}
 # (num_steps, topk, num_draft_tokens) for each shipped head at batch 1 (benchmarks/bench_speculative.py);
 # a head folder's speculative_config.json, when present, sets them by batch size
 TUNED = {"EAGLE3": (2, 1, 3), "EAGLE": (1, 1, 2)}
+# n-gram nodes added to the shipped head's trees (--speculative-hybrid-ngram-tokens); measured with
+# benchmarks/bench_spec_ab.py (docs/performance.md): on held-out chat and code editing the hybrid beat
+# the head alone. The EAGLE head was not measured with it: off.
+TUNED_HYBRID_NGRAM_TOKENS = {"EAGLE3": 6}
 
 
 def shipped_draft_path(algorithm: str) -> Path | None:

@@ -45,9 +45,18 @@ from treespec.speculative.expansion import (
     organize_draft_results,
     select_top_k_tokens,
 )
+from treespec.speculative.hybrid import (
+    HYBRID_MIN_MATCH,
+    hybrid_ngram_config,
+    merge_drafts,
+    next_budget,
+    tree_parents,
+)
+from treespec.speculative.ngram_cache import NgramCache
+from treespec.speculative.ngram_worker import ngram_config
 from treespec.speculative.shapes import SpecSchedule, SpecShape
 from treespec.speculative.step_result import SpecStepResult, verify_tree_step
-from treespec.speculative.tree import DraftTree, make_draft_tree, root_only_tree
+from treespec.speculative.tree import DraftTree, make_draft_tree, root_only_tree, tree_from_parents
 
 MAX_DRAFT_LAG = 64  # plain-step tokens a request's draft may fall behind before it catches up
 
@@ -89,6 +98,11 @@ class EagleWorker:
         self.draft_states: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         # rid -> plain-step tokens whose draft extend has not run yet (positions in order, contiguous)
         self.deferred: dict[str, list[DeferredRow]] = {}
+        # the hybrid's n-gram cache (speculative/hybrid.py): every request's prompt and committed tokens
+        self.hybrid_ngram_tokens = args.speculative_hybrid_ngram_tokens
+        self.ngram = NgramCache(hybrid_ngram_config(ngram_config(args))) if self.hybrid_ngram_tokens else None
+        # rid -> (n-gram node budget, n-gram nodes in this step's tree): per-request adaptivity
+        self.ngram_budget: dict[str, tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ draft extend
     def _draft_features(self, output: ModelOutput, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,6 +131,8 @@ class EagleWorker:
         for i, req in enumerate(reqs):
             if not req.finished and req.kv_len == req.seq_len - 1:
                 self.draft_states[req.rid] = (out.logits[i], out.hidden_states[i])
+                if self.ngram is not None:
+                    self.ngram.insert(req.all_ids)
 
     def draft_extend(self, reqs: list[Req], result: SpecStepResult, committed: list[int]) -> None:
         """The draft over the first `committed[b]` tokens of request b's step result, at the positions
@@ -124,6 +140,12 @@ class EagleWorker:
         their slots now hold cached prefix, which needs draft KV. Afterwards only requests still
         running keep a draft state."""
         tokens = [t[:n] for t, n in zip(result.tokens, committed, strict=True)]
+        if self.ngram is not None:
+            for b, (req, n) in enumerate(zip(reqs, committed, strict=True)):
+                self.ngram.insert(req.all_ids, n)
+                budget, offered = self.ngram_budget.get(req.rid, (self.hybrid_ngram_tokens, 0))
+                accepted = result.sources[b][:n].count("ngram")
+                self.ngram_budget[req.rid] = (next_budget(budget, offered, accepted, self.hybrid_ngram_tokens), 0)
         slots = [s[:n] for s, n in zip(result.kept_slots, committed, strict=True)]
         rows = [r[:n] for r, n in zip(result.accept_rows, committed, strict=True)]
         positions = torch.cat([torch.arange(k, k + n) for k, n in zip(result.kv_lens, committed, strict=True)])
@@ -147,6 +169,8 @@ class EagleWorker:
         for i, req in enumerate(reqs):
             self.draft_states.pop(req.rid, None)  # stale until the catch-up
             self.deferred.setdefault(req.rid, []).append(DeferredRow(positions[i], slots[i], tokens[i], feats[i]))
+            if self.ngram is not None:
+                self.ngram.insert(req.all_ids, 1)
         behind = [r for r in reqs if not r.finished and len(self.deferred[r.rid]) >= MAX_DRAFT_LAG]
         self.catch_up(behind)
 
@@ -180,6 +204,7 @@ class EagleWorker:
             self.catch_up([req])
         self.deferred.pop(req.rid, None)
         self.draft_states.pop(req.rid, None)
+        self.ngram_budget.pop(req.rid, None)
 
     # ------------------------------------------------------------------ drafting
     def _draft_tree(self, reqs: list[Req], kv_lens: list[int], prefix_slots: list[torch.Tensor],
@@ -226,5 +251,27 @@ class EagleWorker:
         else:
             tree = self._draft_tree(reqs, kv_lens, prefix_slots, roots, shape.num_steps, shape.topk,
                                     shape.num_draft_tokens)
+        sources: str | list[list[str]] = "eagle"
+        if self.ngram is not None:
+            tree, sources = self._add_ngram_nodes(reqs, tree, roots, kv_lens)
         return verify_tree_step(reqs, tree, kv_lens, prefix_slots, self.target, self.allocator,
-                                self.target_capture_layers, return_all_hidden=True)
+                                self.target_capture_layers, return_all_hidden=True, node_sources=sources)
+
+    def _add_ngram_nodes(self, reqs: list[Req], tree: DraftTree, roots: torch.Tensor, kv_lens: list[int]
+                         ) -> tuple[DraftTree, str | list[list[str]]]:
+        """The hybrid tree: each request's EAGLE nodes plus up to `hybrid_ngram_tokens` n-gram nodes
+        where its context matches at least HYBRID_MIN_MATCH tokens (else the EAGLE tree as it is)."""
+        budgets = [self.ngram_budget.get(r.rid, (self.hybrid_ngram_tokens, 0))[0] for r in reqs]
+        drafts = [self.ngram.draft(r.all_ids, n) for r, n in zip(reqs, budgets, strict=True)]
+        if all(d.match_length < HYBRID_MIN_MATCH or not d.tokens for d in drafts):
+            return tree, "eagle"
+        tokens, parents, sources = [], [], []
+        for b, (req, d) in enumerate(zip(reqs, drafts, strict=True)):
+            t, p = tree_parents(tree, b)
+            extra = (d.tokens, d.parents) if d.match_length >= HYBRID_MIN_MATCH else ([], [])
+            t, p, s = merge_drafts(t, p, *extra, "eagle", "ngram")
+            self.ngram_budget[req.rid] = (budgets[b], s.count("ngram"))
+            tokens.append(t)
+            parents.append(p)
+            sources.append(s)
+        return tree_from_parents(roots, tokens, parents, kv_lens), sources

@@ -34,6 +34,8 @@ class SpecStepResult:
     kv_lens: list[int]
     accept_rows: list[torch.Tensor]
     verify_output: ModelOutput
+    # per request and token, where it came from: a draft source ("eagle", "ngram") or "target" (the bonus)
+    sources: list[list[str]]
 
 
 class SpecWorker(Protocol):
@@ -58,10 +60,11 @@ class SpecWorker(Protocol):
 def verify_tree_step(
     reqs: list[Req], tree: DraftTree, kv_lens: list[int], prefix_slots: list[torch.Tensor],
     target: ModelRunner, allocator: TokenToKVPoolAllocator, capture_layers: tuple[int, ...],
-    return_all_hidden: bool,
+    return_all_hidden: bool, node_sources: str | list[list[str]],
 ) -> SpecStepResult:
     """Verify `tree` with one target forward over fresh slots, keep the accepted nodes' slots for the
-    Scheduler and free the rest."""
+    Scheduler and free the rest. `node_sources`: the drafts' source, or per request each draft node's
+    (node i + 1 = entry i)."""
     bs, device = len(reqs), target.device
     verify_slots = allocator.alloc(bs * tree.num_nodes).view(bs, tree.num_nodes)
     # nodes past the context length are never emitted (max_new_tokens stops first); clamp for RoPE
@@ -76,4 +79,10 @@ def verify_tree_step(
         token_logprobs(req, out.logits[rows.to(device)], toks) if req.return_logprob else None
         for req, rows, toks in zip(reqs, accept_rows, tokens, strict=True)
     ]
-    return SpecStepResult(tokens, kept_slots, logprobs, kv_lens, accept_rows, out)
+    n = tree.num_nodes
+    sources = []
+    for b, rows in enumerate(accept_rows):
+        nodes = (rows[1:] - b * n).tolist()  # the accepted drafts' nodes (rows are b * n + node)
+        per_node = [node_sources] * n if isinstance(node_sources, str) else ["root", *node_sources[b]]
+        sources.append([per_node[t] for t in nodes] + ["target"])
+    return SpecStepResult(tokens, kept_slots, logprobs, kv_lens, accept_rows, out, sources)

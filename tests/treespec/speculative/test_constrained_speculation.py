@@ -91,9 +91,69 @@ def references(model_dirs) -> dict:
 def test_constrained_greedy_speculation_equals_plain(model_dirs, references, kind, algorithm, name):
     engine = make_engine(model_dirs, kind, algorithm)
     grammar = GRAMMARS[name]
+    constrained_drafts: list[int] = []
+    if algorithm == "NGRAM":  # a constrained request's n-gram drafts are cut to what its grammar allows
+        worker = engine.scheduler.spec_worker
+        real_draft = worker._draft
+
+        def recording_draft(req, max_drafts):
+            tokens, parents = real_draft(req, max_drafts)
+            if req.grammar is not None:
+                constrained_drafts.extend(tokens)
+            return tokens, parents
+
+        worker._draft = recording_draft
     assert run(engine, 1, [params(i, grammar) for i in range(len(PROMPTS))]) == references[(kind, name)]
     assert run(engine, 4, mixed_params(grammar)) == references[(kind, name, "mixed")]
     stats = engine.get_stats()
     assert stats["spec_verify_ct"] > 0
+    if algorithm == "NGRAM":
+        assert constrained_drafts and set(constrained_drafts) <= set(ALLOWED)
     if kind == "lookup":  # drafts are accepted under the grammar: constrained requests really speculate
         assert stats["avg_spec_accept_length"] > 1.5, stats["avg_spec_accept_length"]
+
+
+SHORT = {"ebnf": "root ::= tok tok\ntok ::= " + " | ".join(f'"t{t}"' for t in ALLOWED)}
+EOS = 30  # not a grammar token: the grammar allows it only once complete
+
+
+@pytest.fixture(scope="module")
+def eos_target(model_dirs, tmp_path_factory):
+    """The lookup target with an EOS id (the test models have none)."""
+    import json
+    import shutil
+
+    out = tmp_path_factory.mktemp("eos_target") / "target"
+    shutil.copytree(model_dirs[("lookup", "target")], out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "eos_token_id": EOS}))
+    return out
+
+
+def test_a_grammar_without_a_stop_token_ends_when_complete(model_dirs):
+    engine = make_engine(model_dirs, "lookup", "NONE")
+    assert engine.scheduler.eos_token_ids == ()
+    out = engine.generate(input_ids=PROMPTS[0], sampling_params={"temperature": 0, "max_new_tokens": 12, **SHORT})
+    assert len(out["output_ids"]) == 2 and out["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE3", "NGRAM"])
+def test_a_complete_grammar_beats_min_new_tokens_under_speculation(model_dirs, eos_target, algorithm):
+    """The grammar completes before min_new_tokens: plain decoding ends the request with EOS (the grammar
+    wins over min_new_tokens), and speculation does the same, never verifying an all-masked row."""
+    plist = [{"temperature": 0, "max_new_tokens": 12, "min_new_tokens": 8, **SHORT},
+             {"temperature": 0.9, "max_new_tokens": 12, "min_new_tokens": 8, "seed": 1, **SHORT}]
+    outs = {}
+    for algo in ("NONE", algorithm):
+        kw: dict = {"speculative_algorithm": algo}
+        if algo == "EAGLE3":
+            kw.update(speculative_draft_model_path=str(model_dirs[("lookup", "EAGLE3")]), speculative_num_steps=4,
+                      speculative_eagle_topk=2, speculative_num_draft_tokens=8)
+        engine = Engine(model_path=str(eos_target), dtype="float32", max_total_tokens=4096, **kw)
+        assert engine.scheduler.eos_token_ids == (EOS,)
+        outs[algo] = engine.generate(input_ids=PROMPTS[:2], sampling_params=plist)
+        engine.check_pool_balance()
+    for out in outs["NONE"] + outs[algorithm]:
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS}, out["meta_info"]
+        assert len(out["output_ids"]) == 3 and out["output_ids"][-1] == EOS
+    assert outs[algorithm][0]["output_ids"] == outs["NONE"][0]["output_ids"]

@@ -50,8 +50,9 @@ def test_engine_accepts_what_the_training_unroll_predicts() -> None:
     head_dir = shipped_draft_path("EAGLE3")
     if head_dir is None:
         pytest.skip("no shipped EAGLE-3 head in this checkout")
-    engine = Engine(speculative_algorithm="EAGLE3", speculative_num_steps=STEPS, speculative_eagle_topk=1,
-                    speculative_num_draft_tokens=STEPS + 1, max_total_tokens=2048, dtype="float32")
+    # the head alone (no hybrid n-gram nodes): the unroll replays the head's own chains
+    engine = Engine(speculative_algorithm="EAGLE3", speculative_hybrid_ngram_tokens=0, speculative_num_steps=STEPS,
+                    speculative_eagle_topk=1, speculative_num_draft_tokens=STEPS + 1, max_total_tokens=2048, dtype="float32")
     target = load_target(engine.scheduler.model_dir, 1024)
     head = load_draft_model(head_dir, "EAGLE3", 1024).float().eval()
     head.set_target_weights(target.embed_tokens.weight, target.lm_head_weight)

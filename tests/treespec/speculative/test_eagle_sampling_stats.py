@@ -21,7 +21,10 @@ SETTINGS = [  # (algorithm, (steps, topk, draft tokens), sampling params); NGRAM
     # n-gram trees: drafts from earlier samples' text, several children per node (distinct tokens)
     ("NGRAM", (None, None, 8), {"temperature": 0.8, "top_p": 0.9}),
     ("NGRAM", (None, None, 6), {"temperature": 1.2, "top_k": 10, "min_p": 0.02}),
+    # hybrid: EAGLE-3 chains plus up to 5 n-gram nodes merged into one tree
+    ("EAGLE3+NGRAM", (2, 1, 3), {"temperature": 0.9, "top_p": 0.95}),
 ]
+HYBRID_TOKENS = 5
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +96,13 @@ def test_speculative_sampling_matches_plain_distribution(model_dirs, setting) ->
         spec = {"speculative_num_draft_tokens": draft_tokens}
         steps = draft_tokens - 1  # the deepest tree
     else:
-        spec = {"speculative_draft_model_path": str(model_dirs[algorithm]), "speculative_num_steps": steps,
+        head = algorithm.removesuffix("+NGRAM")
+        spec = {"speculative_draft_model_path": str(model_dirs[head]), "speculative_num_steps": steps,
                 "speculative_eagle_topk": topk, "speculative_num_draft_tokens": draft_tokens}
+        if algorithm != head:
+            spec["speculative_hybrid_ngram_tokens"] = HYBRID_TOKENS
+            steps += HYBRID_TOKENS  # the deepest hybrid tree
+        algorithm = head
     engine = Engine(model_path=str(model_dirs["target"]), dtype="float32", max_total_tokens=8192,
                     max_running_requests=128, speculative_algorithm=algorithm, **spec)
     sampling = [{**params, "max_new_tokens": 4, "ignore_eos": True, "sampling_seed": seed} for seed in range(SAMPLES)]
@@ -109,6 +117,8 @@ def test_speculative_sampling_matches_plain_distribution(model_dirs, setting) ->
     stats = engine.get_stats()
     accepted = stats["spec_emitted_tokens"] - stats["spec_verify_ct"]
     assert 0.2 * stats["spec_verify_ct"] < accepted < 0.8 * stats["spec_verify_ct"] * steps
+    if "speculative_hybrid_ngram_tokens" in spec:  # n-gram nodes were accepted too
+        assert stats.get("spec_accepted_drafts_ngram", 0) > 0.05 * accepted
 
     joint12, p3 = exact_distributions(model_dirs["target"], params)
     observed12 = torch.zeros(VOCAB, VOCAB).index_put_((tokens[:, 0], tokens[:, 1]), torch.ones(SAMPLES), accumulate=True)

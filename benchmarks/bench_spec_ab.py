@@ -1,0 +1,160 @@
+"""Plain vs speculative serving, side by side on the same prompts, per workload (greedy).
+
+    python benchmarks/bench_spec_ab.py                                    # plain vs the default server
+    python benchmarks/bench_spec_ab.py --spec-args "--speculative-algorithm NGRAM" --workloads code_edit
+    python benchmarks/bench_spec_ab.py --num-prompts 12 --max-new-tokens 160 --concurrency 4,16
+
+Starts two servers at once: `--plain-args` (default `--speculative-algorithm NONE`) and `--spec-args`
+(default: none, the default server). Batch 1: each prompt goes to both servers one after the other,
+the order alternating prompt by prompt, so machine drift hits both alike. Concurrency c: all of a
+workload's prompts at most c in flight, plain, speculative, speculative, plain (ABBA). Tokens/s =
+completion tokens / wall time of the requests (prefill included), summed per server. Greedy outputs
+must be equal: the table counts prompts whose output ids match. Accept length = tokens per verify
+step of the speculative server (meta_info), pooled; with drafts from several sources, the accepted
+drafts per source too. Workloads: benchmarks/spec_workloads.py. Prints a table and writes --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import shlex
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from spec_workloads import WORKLOADS, workload_prompts  # noqa: E402
+
+
+def cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "?")
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+    keep = [f for f in flags if f.startswith(("avx", "fma", "f16c", "amx"))]
+    return f"{model}; {' '.join(keep)}"
+
+
+async def generate(client: httpx.AsyncClient, url: str, ids: list[int], max_new: int) -> tuple[dict, float]:
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": max_new}}
+    start = time.perf_counter()
+    resp = await client.post(f"{url}/generate", json=body)
+    resp.raise_for_status()
+    return resp.json(), time.perf_counter() - start
+
+
+async def run_concurrent(url: str, prompts: list[list[int]], max_new: int, conc: int) -> tuple[list[dict], float]:
+    limit = asyncio.Semaphore(conc)
+    async with httpx.AsyncClient(timeout=3600) as client:
+        async def one(ids):
+            async with limit:
+                return (await generate(client, url, ids, max_new))[0]
+
+        start = time.perf_counter()
+        outs = await asyncio.gather(*(one(p) for p in prompts))
+        return list(outs), time.perf_counter() - start
+
+
+async def run_batch1(urls: dict[str, str], prompts: list[list[int]], max_new: int) -> tuple[dict, dict]:
+    outs: dict[str, list[dict]] = {k: [] for k in urls}
+    secs: dict[str, float] = Counter()
+    async with httpx.AsyncClient(timeout=3600) as client:
+        for i, ids in enumerate(prompts):
+            order = list(urls) if i % 2 == 0 else list(reversed(urls))
+            for name in order:
+                out, dt = await generate(client, urls[name], ids, max_new)
+                outs[name].append(out)
+                secs[name] += dt
+    return outs, secs
+
+
+def summarize(workload: str, mode: str, outs: dict[str, list[dict]], secs: dict[str, float]) -> dict:
+    tokens = {k: sum(o["meta_info"]["completion_tokens"] for o in v) for k, v in outs.items()}
+    tok_s = {k: tokens[k] / secs[k] for k in outs}
+    metas = [o["meta_info"] for o in outs["spec"]]
+    steps = sum(m.get("spec_verify_ct", 0) for m in metas)
+    emitted = sum(m.get("spec_accept_length", 0) * m.get("spec_verify_ct", 0) for m in metas)
+    by_source: Counter[str] = Counter()
+    for m in metas:
+        by_source.update(m.get("spec_accepted_drafts_by_source", {}))
+    equal = sum(a["output_ids"] == b["output_ids"] for a, b in zip(outs["plain"], outs["spec"], strict=True))
+    return {"workload": workload, "mode": mode, "prompts": len(outs["plain"]), "plain_tok_s": tok_s["plain"],
+            "spec_tok_s": tok_s["spec"], "ratio": tok_s["spec"] / tok_s["plain"],
+            "accept_length": emitted / steps if steps else None, "spec_steps": steps,
+            "accepted_drafts_by_source": dict(by_source), "equal": equal}
+
+
+def print_row(row: dict) -> None:
+    if not getattr(print_row, "header", False):
+        print(f"{'workload':<10} {'mode':<6} {'n':>3} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} "
+              f"{'accept':>6} {'equal':>6}  drafts by source")
+        print_row.header = True
+    acc = f"{row['accept_length']:.2f}" if row["accept_length"] else "-"
+    src = ", ".join(f"{k} {v}" for k, v in sorted(row["accepted_drafts_by_source"].items())) or "-"
+    print(f"{row['workload']:<10} {row['mode']:<6} {row['prompts']:>3} {row['plain_tok_s']:>11.1f} "
+          f"{row['spec_tok_s']:>10.1f} {row['ratio']:>5.2f}x {acc:>6} {row['equal']:>3}/{row['prompts']:<2}  {src}",
+          flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--plain-args", default="--speculative-algorithm NONE")
+    p.add_argument("--spec-args", default="", help="the speculative server's flags (default: the defaults)")
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    p.add_argument("--num-prompts", type=int, default=12, help="per workload")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--concurrency", default="4,16", help="comma list; empty: batch 1 only")
+    p.add_argument("--json", default="bench_spec_ab.json")
+    args = p.parse_args(argv)
+
+    from treespec.server.testing import popen_launch_server
+    from treespec.tokenizer import load_tokenizer
+
+    concs = [int(c) for c in args.concurrency.split(",") if c]
+    servers = {}
+    try:
+        for name, flags in (("plain", args.plain_args), ("spec", args.spec_args)):
+            print(f"launching {name}: {flags or '(defaults)'}", file=sys.stderr, flush=True)
+            servers[name] = popen_launch_server(shlex.split(flags))
+        urls = {k: s.base_url for k, s in servers.items()}
+        info = httpx.get(f"{urls['spec']}/server_info", timeout=60).json()
+        model = httpx.get(f"{urls['spec']}/model_info", timeout=60).json()
+        tokenizer = load_tokenizer(model["tokenizer_path"] or model["model_path"])
+        print(f"host: {cpu_flags()}\nplain: {args.plain_args or '(defaults)'} | spec: {args.spec_args or '(defaults)'}"
+              f" ({info.get('speculative_algorithm')})\n{args.max_new_tokens} new tokens, greedy", flush=True)
+        for url in urls.values():  # warm-up: kernels, allocator, first-request paths
+            asyncio.run(run_concurrent(url, [tokenizer.encode("Hello there.")], 16, 1))
+        rows = []
+        for workload in args.workloads:
+            prompts = workload_prompts(workload, tokenizer, args.num_prompts)
+            outs, secs = asyncio.run(run_batch1(urls, prompts, args.max_new_tokens))
+            rows.append(summarize(workload, "bs1", outs, secs))
+            print_row(rows[-1])
+            for conc in concs:
+                outs, secs = {"plain": [], "spec": []}, Counter()
+                for name in ("plain", "spec", "spec", "plain"):
+                    got, dt = asyncio.run(run_concurrent(urls[name], prompts, args.max_new_tokens, conc))
+                    outs[name] = got  # both runs are greedy: the same outputs
+                    secs[name] += dt / 2
+                rows.append(summarize(workload, f"c{conc}", outs, secs))
+                print_row(rows[-1])
+        Path(args.json).write_text(json.dumps({"host": cpu_flags(), "plain_args": args.plain_args,
+                                               "spec_args": args.spec_args, "max_new_tokens": args.max_new_tokens,
+                                               "rows": rows}, indent=1))
+        print(f"wrote {args.json}")
+    finally:
+        for s in servers.values():
+            s.terminate()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
