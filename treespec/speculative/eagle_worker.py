@@ -103,6 +103,10 @@ class EagleWorker:
         self.ngram = NgramCache(hybrid_ngram_config(ngram_config(args))) if self.hybrid_ngram_tokens else None
         # rid -> (n-gram node budget, n-gram nodes in this step's tree): per-request adaptivity
         self.ngram_budget: dict[str, tuple[int, int]] = {}
+        # rid -> tokens of its text already in the n-gram cache. Text goes in lazily, when the request
+        # speculates (and the rest when it leaves, if it ever speculated): a plain step or a prefill
+        # under load pays nothing for the hybrid (an insert costs ~65 us per token in Python).
+        self.ngram_inserted: dict[str, int] = {}
 
     # ------------------------------------------------------------------ draft extend
     def _draft_features(self, output: ModelOutput, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,8 +135,6 @@ class EagleWorker:
         for i, req in enumerate(reqs):
             if not req.finished and req.kv_len == req.seq_len - 1:
                 self.draft_states[req.rid] = (out.logits[i], out.hidden_states[i])
-                if self.ngram is not None:
-                    self.ngram.insert(req.all_ids)
 
     def draft_extend(self, reqs: list[Req], result: SpecStepResult, committed: list[int]) -> None:
         """The draft over the first `committed[b]` tokens of request b's step result, at the positions
@@ -142,7 +144,6 @@ class EagleWorker:
         tokens = [t[:n] for t, n in zip(result.tokens, committed, strict=True)]
         if self.ngram is not None:
             for b, (req, n) in enumerate(zip(reqs, committed, strict=True)):
-                self.ngram.insert(req.all_ids, n)
                 budget, offered = self.ngram_budget.get(req.rid, (self.hybrid_ngram_tokens, 0))
                 accepted = result.sources[b][:n].count("ngram")
                 self.ngram_budget[req.rid] = (next_budget(budget, offered, accepted, self.hybrid_ngram_tokens), 0)
@@ -169,8 +170,6 @@ class EagleWorker:
         for i, req in enumerate(reqs):
             self.draft_states.pop(req.rid, None)  # stale until the catch-up
             self.deferred.setdefault(req.rid, []).append(DeferredRow(positions[i], slots[i], tokens[i], feats[i]))
-            if self.ngram is not None:
-                self.ngram.insert(req.all_ids, 1)
         behind = [r for r in reqs if not r.finished and len(self.deferred[r.rid]) >= MAX_DRAFT_LAG]
         self.catch_up(behind)
 
@@ -205,6 +204,9 @@ class EagleWorker:
         self.deferred.pop(req.rid, None)
         self.draft_states.pop(req.rid, None)
         self.ngram_budget.pop(req.rid, None)
+        done = self.ngram_inserted.pop(req.rid, 0)
+        if done and len(req.all_ids) > done:  # a request that speculated leaves the rest of its text too
+            self.ngram.insert(req.all_ids, len(req.all_ids) - done)
 
     # ------------------------------------------------------------------ drafting
     def _draft_tree(self, reqs: list[Req], kv_lens: list[int], prefix_slots: list[torch.Tensor],
@@ -261,6 +263,11 @@ class EagleWorker:
                          ) -> tuple[DraftTree, str | list[list[str]]]:
         """The hybrid tree: each request's EAGLE nodes plus up to `hybrid_ngram_tokens` n-gram nodes
         where its context matches at least HYBRID_MIN_MATCH tokens (else the EAGLE tree as it is)."""
+        for req in reqs:  # the request's text since it last speculated (its prompt, the first time)
+            done = self.ngram_inserted.get(req.rid, 0)
+            if len(req.all_ids) > done:
+                self.ngram.insert(req.all_ids, len(req.all_ids) - done if done else None)
+                self.ngram_inserted[req.rid] = len(req.all_ids)
         budgets = [self.ngram_budget.get(r.rid, (self.hybrid_ngram_tokens, 0))[0] for r in reqs]
         drafts = [self.ngram.draft(r.all_ids, n) for r, n in zip(reqs, budgets, strict=True)]
         if all(d.match_length < HYBRID_MIN_MATCH or not d.tokens for d in drafts):

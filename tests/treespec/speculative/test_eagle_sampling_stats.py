@@ -22,7 +22,7 @@ SETTINGS = [  # (algorithm, (steps, topk, draft tokens), sampling params); NGRAM
     ("NGRAM", (None, None, 8), {"temperature": 0.8, "top_p": 0.9}),
     ("NGRAM", (None, None, 6), {"temperature": 1.2, "top_k": 10, "min_p": 0.02}),
     # hybrid: EAGLE-3 chains plus up to 5 n-gram nodes merged into one tree
-    ("EAGLE3+NGRAM", (2, 1, 3), {"temperature": 0.9, "top_p": 0.95}),
+    ("EAGLE3+NGRAM", (2, 1, 3), {"temperature": 0.7, "top_p": 0.8, "min_p": 0.01}),
 ]
 HYBRID_TOKENS = 5
 
