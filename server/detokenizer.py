@@ -19,7 +19,15 @@ from multiprocessing.connection import Connection
 import zmq
 
 from treespec.request_output import RequestOutput
-from treespec.server.io_struct import BatchOutput, DetokenizeSettings, IpcNames, MessageError, decode, encode
+from treespec.server.io_struct import (
+    BatchOutput,
+    DetokenizeSettings,
+    IpcNames,
+    MessageError,
+    ReqError,
+    decode,
+    encode,
+)
 from treespec.server.proc_util import ParentWatch, make_socket, setup_child
 from treespec.stop_strings import streamable_end, trim_stop
 from treespec.tokenizer import load_tokenizer
@@ -46,6 +54,10 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, DecodeState] = {}
+
+    def forget(self, rid: str) -> None:
+        """A request that ends without a finished output (refused after it was queued)."""
+        self.states.pop(rid, None)
 
     def start(self, settings: DetokenizeSettings) -> None:
         if len(self.states) >= MAX_TRACKED:  # a leak guard; finished requests are dropped in finish()
@@ -124,6 +136,9 @@ def run_detokenizer_process(log_level: str, tokenizer_path: str, names: IpcNames
                 detok.start(msg)
             elif isinstance(msg, BatchOutput):
                 send_sock.send(encode(BatchOutput([detok.add_text(out) for out in msg.items])))
+            elif isinstance(msg, ReqError):  # a queued request refused (its grammar): forget it, pass it on
+                detok.forget(msg.rid)
+                send_sock.send(encode(msg))
     except SystemExit:
         pass
     except BaseException:

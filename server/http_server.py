@@ -8,6 +8,7 @@ import hmac
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -28,7 +29,15 @@ from treespec.server.protocol import (
     parse_json_body,
     parse_tokenize,
 )
-from treespec.server.streaming import SSE_DONE, SSEResponse, gather_or_cancel, json_response, merge, sse
+from treespec.server.streaming import (
+    SSE_DONE,
+    SSEResponse,
+    gather_or_cancel,
+    json_response,
+    merge,
+    sse,
+    started,
+)
 from treespec.server.tokenizer_manager import Chunk, TokenizerManager
 
 if TYPE_CHECKING:  # a type only: this process (HTTP) stays free of the model stack
@@ -212,7 +221,10 @@ def create_app(state: ServerState, tm: TokenizerManager) -> FastAPI:
         for g in inputs:
             tm.validate(g)
         if stream:
-            return SSEResponse(_generate_stream(tm, inputs, single, request))
+            streams = [tm.generate(g, request) for g in inputs]
+            if any(g.sampling_params.grammar is not None for g in inputs):
+                streams = await started(streams)  # a grammar the scheduler refuses is a 400, not an event
+            return SSEResponse(_generate_stream(streams, single))
         results = await gather_or_cancel([tm.generate_full(g, request) for g in inputs])
         outs = [{"text": c.text, "output_ids": c.output_ids, "meta_info": c.meta_info} for c in results]
         return json_response(outs[0] if single else outs)
@@ -248,11 +260,11 @@ class _StreamedOutput:
         return {"text": self.text, "output_ids": self.output_ids, "meta_info": c.meta_info}
 
 
-async def _generate_stream(tm: TokenizerManager, inputs: list[GenerateReq], single: bool, request: Request):
+async def _generate_stream(streams: list[AsyncIterator[Chunk]], single: bool):
     """SGLang-native stream: each event carries the text and output ids so far."""
-    streamed = [_StreamedOutput() for _ in inputs]
+    streamed = [_StreamedOutput() for _ in streams]
     try:
-        async for i, c in merge([tm.generate(g, request) for g in inputs]):
+        async for i, c in merge(streams):
             out = streamed[i].event(c)
             if not single:
                 out["index"] = i

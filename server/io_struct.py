@@ -9,6 +9,7 @@ Flow of one request:
   scheduler --DetokenizeSettings--> detokenizer          (once, when the scheduler queues the request)
   scheduler --BatchOutput(RequestOutput, new tokens)--> detokenizer --BatchOutput(+ text)--> TokenizerManager
   scheduler --ReqError--> TokenizerManager               (a request the scheduler refused)
+  scheduler --ReqError--> detokenizer --ReqError--> TokenizerManager   (refused once queued: a bad grammar)
 Control: TokenizerManager --AbortReq / ControlReq--> scheduler --ControlReply--> TokenizerManager
 """
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from starlette.requests import Request
@@ -16,15 +17,48 @@ from treespec.server.openai_protocol import (
     CompletionRequest,
     check_model,
     finish_reason_str,
+    grammar_of,
     matched_stop,
     parse_openai,
     sampling_dicts,
     usage_dict,
 )
+from treespec.server.openai_tools import (
+    TemplateTools,
+    ToolCallStream,
+    ToolPlan,
+    parse_message,
+    plan_tools,
+    template_messages,
+    tool_finish_reason,
+)
 from treespec.server.protocol import ApiError, is_int, parse_sampling_params
-from treespec.server.streaming import SSE_DONE, SSEResponse, gather_or_cancel, json_response, merge, sse
+from treespec.server.streaming import (
+    SSE_DONE,
+    SSEResponse,
+    gather_or_cancel,
+    json_response,
+    merge,
+    sse,
+    started,
+)
 from treespec.server.tokenizer_manager import Chunk, TokenizerManager
 from treespec.tokenizer import chat_input_ids
+
+GRAMMAR_PARAMS = ("regex", "json_schema", "ebnf")
+
+
+@contextmanager
+def grammar_errors_named(field: str | None) -> Iterator[None]:
+    """A grammar the engine refuses is reported under the OpenAI field it came from (response_format,
+    tools, regex, ebnf) rather than under the sampling parameter it became."""
+    try:
+        yield
+    except ApiError as e:
+        if field is not None and e.param is not None and e.param.rsplit(".", 1)[-1] in GRAMMAR_PARAMS:
+            e.param = field
+            e.message = f"{field}: {e.message}"
+        raise
 
 
 class OpenAIServing:
@@ -32,6 +66,7 @@ class OpenAIServing:
         self.tm = tm
         self.model_name = model_name
         self.served_names = served_names
+        self.template = TemplateTools.of(getattr(tm.tokenizer, "chat_template_source", None))
 
     # ------------------------------------------------------------------ token text for logprobs
     def _tok(self, token_id: int) -> str:
@@ -62,35 +97,74 @@ class OpenAIServing:
         limits = self.tm.limits
         return max(1, min(limits.context_len, limits.max_total_num_tokens) - prompt_len)
 
+    # ------------------------------------------------------------------ running requests
+    def _gen_reqs(self, ids: list[int], sps: list[dict[str, Any]], field: str | None, return_logprob: bool,
+                  top_logprobs: int) -> list[GenerateReq]:
+        with grammar_errors_named(field):
+            gens = [GenerateReq(ids, parse_sampling_params(sp, openai=True), return_logprob, top_logprobs)
+                    for sp in sps]
+            for g in gens:
+                self.tm.validate(g)
+        return gens
+
+    async def _full(self, gens: list[GenerateReq], request: Request, field: str | None) -> list[Chunk]:
+        with grammar_errors_named(field):
+            return await gather_or_cancel([self.tm.generate_full(g, request) for g in gens])
+
+    async def _started(self, gens: list[GenerateReq], request: Request,
+                       field: str | None) -> list[AsyncIterator[Chunk]]:
+        """The requests' output streams. With a grammar, each first output is awaited before the response
+        starts, so a grammar the engine refuses is a 400 rather than an error event in a 200 stream."""
+        streams = [self.tm.generate(g, request) for g in gens]
+        if field is None:
+            return streams
+        try:
+            with grammar_errors_named(field):
+                return await started(streams)
+        except StopAsyncIteration:  # a request ended without output: its client went away
+            raise ApiError("the client disconnected", status=499) from None
+
     # ------------------------------------------------------------------ chat
     async def chat(self, body: dict[str, Any], request: Request) -> Response:
         req: ChatCompletionRequest = parse_openai(ChatCompletionRequest, body)
         check_model(req.model, self.served_names)
         if not req.messages:
             raise ApiError("messages must be a non-empty list", param="messages")
+        plan = plan_tools(req, self.template)
+        grammar, field = grammar_of(req)
+        if grammar and plan.mode != "none":
+            raise ApiError(f"{field} cannot be combined with tools (tool_choice {plan.mode}): a tool call has "
+                           "its own format", param=field)
+        if plan.grammar:
+            grammar, field = plan.grammar, "tools"
+        messages = template_messages(req.messages, self.template)
         try:
-            ids = chat_input_ids(self.tm.tokenizer, [m.as_dict() for m in req.messages])
+            ids = chat_input_ids(self.tm.tokenizer, messages, tools=plan.template_tools)
         except Exception as e:  # a template that rejects the conversation (role order, ...)
             raise ApiError(f"cannot apply the chat template to these messages: {e}", param="messages") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise ApiError("top_logprobs must be in [0, 20]", param="top_logprobs")
-        sps = sampling_dicts(req, max_tokens if max_tokens is not None else self._default_max_tokens(len(ids)))
-        gens = [GenerateReq(ids, parse_sampling_params(sp, openai=True), req.logprobs, req.top_logprobs or 0)
-                for sp in sps]
-        for g in gens:
-            self.tm.validate(g)
+        sps = sampling_dicts(req, max_tokens if max_tokens is not None else self._default_max_tokens(len(ids)),
+                             grammar)
+        gens = self._gen_reqs(ids, sps, field, req.logprobs, req.top_logprobs or 0)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
-            return SSEResponse(self._chat_stream(req, gens, request, rid, created))
-        results = await gather_or_cancel([self.tm.generate_full(g, request) for g in gens])
+            streams = await self._started(gens, request, field)
+            return SSEResponse(self._chat_stream(req, plan, streams, rid, created))
+        results = await self._full(gens, request, field)
         choices = []
         for i, c in enumerate(results):
             lp = c.logprobs if req.logprobs else None
+            content, calls = parse_message(plan, c.text)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
             choices.append({
-                "index": i, "message": {"role": "assistant", "content": c.text},
+                "index": i, "message": message,
                 "logprobs": self._chat_logprobs(lp, c.top_logprobs or []) if lp is not None else None,
-                "finish_reason": finish_reason_str(c.meta_info), "matched_stop": matched_stop(c.meta_info),
+                "finish_reason": tool_finish_reason(finish_reason_str(c.meta_info), bool(calls)),
+                "matched_stop": matched_stop(c.meta_info),
             })
         usage = usage_dict(results[0].meta_info["prompt_tokens"],
                            sum(c.meta_info["completion_tokens"] for c in results),
@@ -98,7 +172,7 @@ class OpenAIServing:
         return json_response({"id": rid, "object": "chat.completion", "created": created,
                               "model": self.model_name, "choices": choices, "usage": usage})
 
-    async def _chat_stream(self, req: ChatCompletionRequest, gens: list[GenerateReq], request: Request,
+    async def _chat_stream(self, req: ChatCompletionRequest, plan: ToolPlan, streams: list[AsyncIterator[Chunk]],
                            rid: str, created: int) -> AsyncIterator[bytes]:
         def chunk(choices: list, usage: Any = None) -> bytes:
             obj = {"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -107,19 +181,27 @@ class OpenAIServing:
                 obj["usage"] = usage
             return sse(obj)
 
-        for i in range(len(gens)):
+        for i in range(len(streams)):
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
+        parsers = [ToolCallStream(plan) for _ in streams]
         metas: dict[int, dict] = {}
         try:
-            async for i, c in merge([self.tm.generate(g, request) for g in gens]):
-                if c.delta or (req.logprobs and c.new_logprobs):
-                    lp = self._chat_logprobs(c.new_logprobs, c.new_top_logprobs) if req.logprobs else None
-                    yield chunk([{"index": i, "delta": {"content": c.delta}, "logprobs": lp, "finish_reason": None}])
+            async for i, c in merge(streams):
+                deltas = parsers[i].feed(c.delta) if c.delta else []
+                if c.finished:
+                    deltas += parsers[i].finish()
+                lp = None
+                if req.logprobs and c.new_logprobs:
+                    lp = self._chat_logprobs(c.new_logprobs, c.new_top_logprobs)
+                    deltas = deltas or [{}]  # logprobs of tokens whose text the parser still holds back
+                for k, delta in enumerate(deltas):
+                    yield chunk([{"index": i, "delta": delta, "logprobs": lp if k == 0 else None,
+                                  "finish_reason": None}])
                 if c.finished:
                     metas[i] = c.meta_info
-                    yield chunk([{"index": i, "delta": {}, "logprobs": None,
-                                  "finish_reason": finish_reason_str(c.meta_info),
+                    reason = tool_finish_reason(finish_reason_str(c.meta_info), bool(parsers[i].calls))
+                    yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": reason,
                                   "matched_stop": matched_stop(c.meta_info)}])
         except ApiError as e:
             yield sse(e.body())
@@ -151,17 +233,16 @@ class OpenAIServing:
             raise ApiError("logprobs must be in [0, 20]", param="logprobs")
         id_lists = self._prompts(req.prompt)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        sps = sampling_dicts(req, max_tokens)
+        grammar, field = grammar_of(req)
+        sps = sampling_dicts(req, max_tokens, grammar)
         want_lp = req.logprobs is not None
-        params = [parse_sampling_params(sp, openai=True) for sp in sps]
-        gens = [GenerateReq(ids, p, want_lp, req.logprobs or 0) for ids in id_lists for p in params]
-        for g in gens:
-            self.tm.validate(g)
+        gens = [g for ids in id_lists for g in self._gen_reqs(ids, sps, field, want_lp, req.logprobs or 0)]
         echoes = [self.tm.tokenizer.decode(ids) if req.echo else "" for ids in id_lists]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
-            return SSEResponse(self._completion_stream(req, gens, echoes, request, rid, created))
-        results = await gather_or_cancel([self.tm.generate_full(g, request) for g in gens])
+            streams = await self._started(gens, request, field)
+            return SSEResponse(self._completion_stream(req, streams, echoes, rid, created))
+        results = await self._full(gens, request, field)
         choices = []
         for i, c in enumerate(results):
             echo = echoes[i // req.n]
@@ -181,8 +262,8 @@ class OpenAIServing:
                           sum(c.meta_info["completion_tokens"] for c in results),
                           sum(m.get("cached_tokens", 0) for m in firsts))
 
-    async def _completion_stream(self, req: CompletionRequest, gens: list[GenerateReq], echoes: list[str],
-                                 request: Request, rid: str, created: int) -> AsyncIterator[bytes]:
+    async def _completion_stream(self, req: CompletionRequest, streams: list[AsyncIterator[Chunk]],
+                                 echoes: list[str], rid: str, created: int) -> AsyncIterator[bytes]:
         def chunk(choices: list, usage: Any = None) -> bytes:
             obj = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                    "choices": choices}
@@ -190,11 +271,11 @@ class OpenAIServing:
                 obj["usage"] = usage
             return sse(obj)
 
-        offsets = {i: len(echoes[i // req.n]) for i in range(len(gens))}
+        offsets = {i: len(echoes[i // req.n]) for i in range(len(streams))}
         echoed: set[int] = set()  # choices whose echoed prompt went out with their first chunk
         finals: dict[int, Chunk] = {}
         try:
-            async for i, c in merge([self.tm.generate(g, request) for g in gens]):
+            async for i, c in merge(streams):
                 text = c.delta
                 if i not in echoed:
                     echoed.add(i)
@@ -212,6 +293,6 @@ class OpenAIServing:
             yield sse(e.body())
             yield SSE_DONE
             return
-        if req.include_usage and len(finals) == len(gens):
-            yield chunk([], self._usage([finals[i] for i in range(len(gens))], req.n))
+        if req.include_usage and len(finals) == len(streams):
+            yield chunk([], self._usage([finals[i] for i in range(len(streams))], req.n))
         yield SSE_DONE

@@ -80,9 +80,18 @@ def _as_list(x: Any, single: bool) -> list:
     return [x] if single else list(x)
 
 
+# the /generate fields treespec implements; any other (SGLang's lora_path, image_data, return_hidden_states,
+# custom_logit_processor, ...) is a 400 naming it, never silently ignored
+GENERATE_FIELDS = ("text", "input_ids", "sampling_params", "stream", "rid", "return_logprob", "top_logprobs_num",
+                   "logprob_start_len", "return_text_in_logprobs")
+
+
 def parse_generate(body: dict[str, Any], tokenizer) -> tuple[list[GenerateReq], bool, bool]:
     """The SGLang-native /generate body -> (inputs, single, stream). Text is encoded as SGLang encodes
     it: with the tokenizer's own special tokens (a BOS where the model's tokenizer adds one)."""
+    for name in body:
+        if name not in GENERATE_FIELDS:
+            raise ApiError(f"{name} is not a /generate field this server implements", param=name)
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
         raise ApiError("pass exactly one of text or input_ids", param="text")

@@ -3,7 +3,8 @@
 Loop: drain incoming messages without blocking (block on the socket, with a timeout, only when idle),
 run one scheduler step when there is work, push the step's outputs (new token ids) to the detokenizer.
 A queued request's detokenization settings go to the detokenizer once, ahead of its outputs; a refused
-request and control replies (stats, flush_cache) go straight to the TokenizerManager.
+request and control replies (stats, flush_cache) go straight to the TokenizerManager, except a request
+refused after it was queued (its grammar did not compile), whose ReqError goes by way of the detokenizer.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class SchedulerLoop:
                 self.record_throughput()
                 if outputs:
                     self.send_outputs(outputs)
+                self.send_refusals()
                 self.maybe_log()
         logger.info("launcher is gone; scheduler exits")
 
@@ -106,6 +108,13 @@ class SchedulerLoop:
 
     def send_outputs(self, outputs: list[RequestOutput]) -> None:
         self.to_detok.send(encode(BatchOutput(outputs)))
+
+    def send_refusals(self) -> None:
+        """Requests whose grammar did not compile: a ReqError by way of the detokenizer, which drops the
+        request's settings and forwards the error to the TokenizerManager."""
+        for rid, error in self.scheduler.take_refused():
+            # the field as /generate names it (the OpenAI routes name their own fields)
+            self.to_detok.send(encode(ReqError(rid, str(error), 400, f"sampling_params.{error.param}")))
 
     # ------------------------------------------------------------------ control and stats
     def control(self, msg: ControlReq) -> ControlReply:

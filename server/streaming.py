@@ -35,6 +35,30 @@ async def gather_or_cancel(aws: list[Awaitable[T]]) -> list[T]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def _prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        aclose = getattr(rest, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def started(gens: list[AsyncIterator[T]]) -> list[AsyncIterator[T]]:
+    """Wait for the first item of every stream before a response starts, so an error the first item
+    brings (a grammar the scheduler refused) can still be answered with an HTTP error status. On an
+    error every stream is closed (aborting the requests that did start) and the error is raised."""
+    try:
+        firsts = await gather_or_cancel([anext(g) for g in gens])
+    except BaseException:
+        for g in gens:
+            await g.aclose()
+        raise
+    return [_prepend(first, g) for first, g in zip(firsts, gens, strict=True)]
+
+
 async def merge(gens: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
     """Interleave several async iterators as (index, item); an error in one ends the merge with it.
     Closing the merged iterator cancels the sources (which abort their requests)."""

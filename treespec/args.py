@@ -65,6 +65,7 @@ class ServerArgs:
     disable_radix_cache: bool = False
     page_size: int = 1
     schedule_conservativeness: float = 1.0
+    enable_jump_forward: bool = False
     # speculative decoding
     # auto: EAGLE3 with the shipped head when serving the embedded default model, else NONE
     speculative_algorithm: str = "auto"  # auto | NONE | EAGLE | EAGLE3 | NGRAM
@@ -114,6 +115,8 @@ class ServerArgs:
         _check(self.num_threads is None or self.num_threads > 0, "--num-threads", "must be positive")
         _check(self.device in ("auto", "cpu", "cuda") or self.device.removeprefix("cuda:").isdigit(), "--device",
                f"unknown device {self.device!r}")
+        _check(not (self.enable_jump_forward and self.disable_radix_cache), "--enable-jump-forward",
+               "needs the radix cache (a jump-forward re-prefills the request over its cached prefix)")
         self._check_ngram()
         hybrid = self.speculative_hybrid_ngram_tokens
         _check(hybrid is None or hybrid >= 0, "--speculative-hybrid-ngram-tokens", "must be >= 0 (0: no n-gram nodes)")
@@ -264,6 +267,9 @@ FLAG_HELP = {
     "disable_radix_cache": "do not share cached prefixes between requests",
     "page_size": "KV page size (only 1 so far)",
     "schedule_conservativeness": "scale of the decode headroom reserved at admission (lower admits more)",
+    "enable_jump_forward": "grammar-constrained requests append the text their grammar forces (JSON keys, "
+                           "punctuation) without a model step; that text is tokenized on its own, so outputs "
+                           "may differ from decoding it token by token (needs the radix cache)",
     "speculative_algorithm": "auto | NONE | EAGLE | EAGLE3 | NGRAM; auto = EAGLE3 with the shipped head on the "
                              "default model; NGRAM drafts from n-grams of all requests' text (no draft model)",
     "speculative_draft_model_path": "EAGLE/EAGLE3: draft head folder (default: the shipped head for the default model)",

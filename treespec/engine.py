@@ -166,6 +166,8 @@ class Engine:
             n = check_copies(d.pop("n", 1), rids is not None)
             params = SamplingParams.from_dict(d)
             check_request(ids, params, self.limits, top_logprobs_num, logprob_start_len, return_logprob)
+            if params.grammar is not None:  # compile now (then cached): a bad grammar raises InvalidRequest
+                self.scheduler.grammars.get(*params.grammar)
             planned += [(rids[i] if rids is not None else new_rid(), ids, params) for _ in range(n)]
         subs = []
         for req_rid, ids, params in planned:

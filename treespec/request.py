@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from treespec.request_output import RequestOutput
 from treespec.sampling_params import SamplingParams
 from treespec.stop_strings import find_stop_in_tail
+
+if TYPE_CHECKING:
+    from treespec.constrained import GrammarState
 
 _EMPTY = torch.zeros(0, dtype=torch.int64)
 _rid_counter = itertools.count()
@@ -54,6 +59,9 @@ class Req:
     input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     sent_logprob_len: int = 0
+    # grammar constraint: the compile future while the request waits for it, then the matcher state
+    grammar_future: Future | None = None
+    grammar: GrammarState | None = None
 
     def __post_init__(self) -> None:
         if self.return_logprob and self.logprob_start_len < 0:
@@ -97,6 +105,13 @@ class Req:
             self.output_counts[token] += 1
         params = self.sampling_params
         n = len(self.output_ids)
+        if self.grammar is not None:
+            if not self.grammar.accept(token):  # masks make this unreachable; never emit past it
+                self.finished_reason = {"type": "abort", "message": f"token {token} violates the grammar"}
+                return True
+            if self.grammar.terminated:  # the grammar is complete and its stop token (EOS) was taken
+                self.finished_reason = {"type": "stop", "matched": token}
+                return True
         if n >= params.min_new_tokens:
             if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
                 self.finished_reason = {"type": "stop", "matched": token}

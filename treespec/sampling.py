@@ -1,10 +1,12 @@
 """Sampling math: penalties, the filtered distribution (temperature / top-k / top-p / min-p), draws, and
-the batched next-token choice of plain decoding with logprobs. Tree verification uses the same filters."""
+the batched next-token choice of plain decoding with logprobs (grammar masks included, see
+treespec.constrained). Tree verification uses the same filters."""
 
 from __future__ import annotations
 
 import torch
 
+from treespec.constrained import apply_grammar_masks
 from treespec.request import Req
 from treespec.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
@@ -130,7 +132,13 @@ def sample_next_tokens(
     """One token per request from logits [bs, V]. Returns the tokens and, for requests that asked,
     (logprob of the chosen token, top-k logprobs) under the model's unmodified distribution."""
     logits = logits.float().cpu()
-    processed = mask_min_new_tokens(reqs, penalized_logits(reqs, logits))
+    allowed = apply_grammar_masks(reqs, penalized_logits(reqs, logits))
+    processed = mask_min_new_tokens(reqs, allowed)
+    if processed is not allowed:
+        # a grammar that is complete allows only EOS, which min_new_tokens blocks: the grammar wins
+        dead = ~torch.isfinite(processed).any(dim=-1)
+        if bool(dead.any()):
+            processed[dead] = allowed[dead]
     tokens = processed.argmax(dim=-1)
     sampled = [i for i, r in enumerate(reqs) if not r.sampling_params.greedy]
     if sampled:

@@ -11,7 +11,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 GREEDY_TEMPERATURE = 1e-6  # below this a temperature means argmax
+
+
+GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
 
 
 class InvalidRequest(ValueError):
@@ -47,6 +52,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     seed: int | None = None
+    # grammar constraints (SGLang's names), at most one: a regex, a JSON schema as JSON text
+    # ('{"type": "object"}' asks for any JSON object), or an EBNF grammar (GBNF, root rule `root`)
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -64,6 +74,8 @@ class SamplingParams:
             d["stop"] = (d["stop"],)
         if _is_int(d.get("stop_token_ids")):
             d["stop_token_ids"] = (d["stop_token_ids"],)
+        if isinstance(d.get("json_schema"), dict):  # the Engine's callers may pass the schema itself
+            d["json_schema"] = orjson.dumps(d["json_schema"]).decode()
         return cls(**{k: v for k, v in d.items() if v is not None})
 
     def __post_init__(self) -> None:
@@ -101,6 +113,28 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
             check(isinstance(getattr(self, name), bool), name, f"{name} must be a boolean")
         check(self.seed is None or _is_int(self.seed), "seed", f"seed must be an integer, got {self.seed!r}")
+        for name in GRAMMAR_FIELDS:
+            value = getattr(self, name)
+            check(value is None or (isinstance(value, str) and value.strip() != ""), name,
+                  f"{name} must be a non-empty string")
+        given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
+        check(len(given) <= 1, given[-1] if given else "regex",
+              f"pass at most one of regex, json_schema, ebnf (got {', '.join(given)})")
+        if self.json_schema is not None:
+            try:
+                schema = orjson.loads(self.json_schema)
+            except orjson.JSONDecodeError as e:
+                raise InvalidRequest(f"json_schema is not valid JSON: {e}", param="json_schema") from None
+            check(isinstance(schema, dict | bool), "json_schema", "json_schema must be a JSON object (a schema)")
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(field name, grammar text) of the request's constraint, or None."""
+        for name in GRAMMAR_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                return name, value
+        return None
 
     @property
     def greedy(self) -> bool:

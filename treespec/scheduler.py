@@ -8,6 +8,7 @@ step of every running request.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import time
@@ -18,6 +19,7 @@ import torch
 
 from treespec.args import ServerArgs
 from treespec.batch_builder import build_decode_batch, build_extend_batch
+from treespec.constrained import GrammarCache, GrammarState
 from treespec.mem.allocator import TokenToKVPoolAllocator
 from treespec.mem.balance import check_pool_balance
 from treespec.mem.chunk_cache import ChunkCache
@@ -27,7 +29,7 @@ from treespec.model_loader import resolve_model_path
 from treespec.model_runner import ModelRunner
 from treespec.request import Req, RequestOutput
 from treespec.sampling import sample_next_tokens
-from treespec.sampling_params import SamplingParams
+from treespec.sampling_params import InvalidRequest, SamplingParams
 from treespec.speculative.shapes import SpecShape
 
 logger = logging.getLogger(__name__)
@@ -37,6 +39,9 @@ RESERVE_CAP = 256  # per request, at most this many future decode tokens are res
 IN_BATCH_PREFIX_MIN = 32  # defer a request sharing this many uncached tokens with the batch
 INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY = 0.7, 0.1, 0.001
 PLAIN_STEP = SpecShape(0, 1, 1)  # a speculative step without drafts: the root alone is verified
+GRAMMAR_WAIT_S = 0.05  # an idle step waits this long for a grammar being compiled
+# a jump-forward costs a prefill step over its tokens: worth it from two tokens on
+MIN_JUMP_FORWARD_TOKENS = 2
 
 if TYPE_CHECKING:
     from treespec.speculative.step_result import SpecStepResult, SpecWorker
@@ -78,6 +83,9 @@ class Scheduler:
             self.spec_worker = EagleWorker(args, self.runner, self.req_to_token_pool, self.allocator)
         self.tokenizer = None  # set by the owner when stop strings must be checked
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
+        # grammars compile on a worker thread; a request waits in `waiting` until its grammar is ready
+        self.grammars = GrammarCache(args.tokenizer_path or self.model_dir, self.vocab_size, self.eos_token_ids)
+        self.refused: list[tuple[str, InvalidRequest]] = []  # (rid, error) of requests whose grammar failed
 
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -85,7 +93,8 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness
         self.stats = {"num_retractions": 0, "prompt_tokens": 0, "cached_tokens": 0,
                       "generated_tokens": 0, "num_finished": 0, "prefill_tokens": 0,
-                      "spec_verify_ct": 0, "spec_emitted_tokens": 0, "spec_shrunk_steps": 0}
+                      "spec_verify_ct": 0, "spec_emitted_tokens": 0, "spec_shrunk_steps": 0,
+                      "jump_forward_tokens": 0}
         # the one accept counter: tokens committed per request per verify step (stats above pool it)
         self.spec_accept_histogram: Counter[int] = Counter()
         self.spec_accepted_drafts: Counter[str] = Counter()  # committed draft tokens by source
@@ -108,8 +117,15 @@ class Scheduler:
                   logprob_start_len, eos_token_ids=self.eos_token_ids)
         self._seed_counter += 1
         req.init_sampling_state(self.vocab_size, self._seed_counter)
+        if sampling_params.grammar is not None:
+            req.grammar_future = self.grammars.submit(*sampling_params.grammar)
         self.waiting.append(req)
         return req
+
+    def take_refused(self) -> list[tuple[str, InvalidRequest]]:
+        """Requests dropped because their grammar did not compile (the owner answers each with a 400)."""
+        refused, self.refused = self.refused, []
+        return refused
 
     def abort_request(self, rid: str) -> RequestOutput | None:
         """Abort a request wherever it is; its KV goes back to the pool / cache at once."""
@@ -143,6 +159,7 @@ class Scheduler:
         elif self.running:
             outputs = self._run_decode()
         else:
+            self._wait_for_a_grammar()
             return []
         if not self.has_work():
             self.check_pool_balance()  # the idle-time leak check (docs/architecture.md, memory)
@@ -166,11 +183,12 @@ class Scheduler:
             reqs.append(req)
             lens.append(n)
             budget -= n
+        self._resolve_grammars()
         if not self.waiting or budget <= 0:
             return (reqs, lens) if reqs else None
         free_req_slots = self.req_to_token_pool.available_size()
         reserve = sum(self._reserved_tokens(r) for r in self.running)
-        candidates = list(self.waiting)
+        candidates = [r for r in self.waiting if r.grammar_future is None]  # the rest wait for their grammar
         if self.args.schedule_policy == "lpm" and len(candidates) > 1:
             lengths = {id(r): len(self._match(r).prefix_indices) for r in candidates}
             candidates.sort(key=lambda r: -lengths[id(r)])
@@ -203,6 +221,28 @@ class Scheduler:
             budget -= n
             reserve += self._reserved_tokens(req)
         return (reqs, lens) if reqs else None
+
+    def _resolve_grammars(self) -> None:
+        """Give each waiting request whose grammar has compiled its matcher; drop (into `refused`) those
+        whose grammar failed."""
+        for req in [r for r in self.waiting if r.grammar_future is not None and r.grammar_future.done()]:
+            future, req.grammar_future = req.grammar_future, None
+            error = future.exception()
+            if error is None:
+                req.grammar = GrammarState(future.result())
+                continue
+            self.waiting.remove(req)
+            if not isinstance(error, InvalidRequest):
+                field = req.sampling_params.grammar[0]
+                error = InvalidRequest(f"could not compile {field}: {type(error).__name__}: {error}", param=field)
+            self.refused.append((req.rid, error))
+
+    def _wait_for_a_grammar(self) -> None:
+        """Nothing to run: block briefly on a compiling grammar rather than spin."""
+        pending = [r.grammar_future for r in self.waiting if r.grammar_future is not None]
+        if pending:
+            concurrent.futures.wait(pending, timeout=GRAMMAR_WAIT_S,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
 
     @staticmethod
     def _shares_uncached_prefix(ids: list[int], cached_len: int, batch: list[Req]) -> bool:
@@ -342,14 +382,37 @@ class Scheduler:
         return self._end_decode_step(reqs)
 
     def _end_decode_step(self, reqs: list[Req]) -> list[RequestOutput]:
+        jumped = self._jump_forward(reqs) if self.args.enable_jump_forward else set()
         outputs = []
         for req in reqs:
             if req.finished:
                 self._finish(req)
             outputs.append(req.take_output())
-        self.running = [r for r in reqs if not r.finished]
+        self.running = [r for r in reqs if not r.finished and id(r) not in jumped]
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return outputs
+
+    def _jump_forward(self, reqs: list[Req]) -> set[int]:
+        """Append the text each constrained request's grammar forces now (JSON keys, punctuation) without
+        a model step. Those tokens have no KV yet: the request goes back to the queue and its next prefill
+        computes them (the rest of its sequence is a cache hit). Returns id() of the requeued requests."""
+        jumped = set()
+        for req in reqs:
+            if req.grammar is None or req.finished or req.return_logprob:
+                continue
+            tokens = req.grammar.jump_forward_tokens(self.tokenizer)
+            if len(tokens) < MIN_JUMP_FORWARD_TOKENS:
+                continue
+            for tok in tokens:
+                self.stats["jump_forward_tokens"] += 1
+                if req.append_token(tok, self.tokenizer):
+                    break
+            if not req.finished:
+                self._release(req)
+                req.kv_len = 0
+                self.waiting.appendleft(req)
+                jumped.add(id(req))
+        return jumped
 
     def _spec_step_shape(self) -> SpecShape:
         """The tree shape of this step, sized against the free KV slots (the only place that does):

@@ -91,6 +91,7 @@ class Tokenizer:
                 self.special_tokens[name] = token
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         source = _read_chat_template(folder, config)
+        self.chat_template_source = source  # read by the OpenAI route to see what the template renders (tools)
         self.chat_template = compile_chat_template(source) if source is not None else None
 
     # ------------------------------------------------------------------ ids
@@ -112,13 +113,15 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ chat
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
-                            tokenize: bool = True) -> list[int] | str:
+                            tokenize: bool = True, tools: list[dict[str, Any]] | None = None) -> list[int] | str:
         """The rendered chat (tokenize=False) or its token ids, encoded without added special tokens
-        (the template writes them itself)."""
+        (the template writes them itself). `tools` (OpenAI tool definitions) are passed to the template
+        as transformers passes them."""
         if self.chat_template is None:
             raise ValueError(f"the tokenizer in {self.path} has no chat template")
+        extra = {"tools": tools} if tools is not None else {}
         text = self.chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens)
+                                         **extra, **self.special_tokens)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
@@ -126,10 +129,13 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return Tokenizer(path)
 
 
-def chat_input_ids(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+def chat_input_ids(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
+                   tools: list[dict] | None = None) -> list[int]:
     """Token ids of a chat through the model's chat template. Also takes a transformers tokenizer (the
     training code passes one), which may return an encoding rather than a list."""
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    extra = {"tools": tools} if tools is not None else {}
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                        **extra)
     if not isinstance(out, list):
         out = out["input_ids"]
     return list(out)

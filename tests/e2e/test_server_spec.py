@@ -1,4 +1,5 @@
-"""End-to-end with EAGLE-3 speculation on: speculative stats reach meta_info, /get_server_info and /metrics.
+"""End-to-end with EAGLE-3 speculation on: speculative stats reach meta_info, /get_server_info and /metrics;
+structured output through the openai client equals the plain (speculation off) Engine's constrained output.
 
 Uses the shipped EAGLE-3 head when there is one; otherwise a randomly initialised head for the default
 target (acceptance near the minimum: this checks the plumbing, not the speed-up)."""
@@ -8,8 +9,9 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
-from server_e2e_helpers import SERVER_ARGS, sse_events, wait_idle
+from server_e2e_helpers import SERVER_ARGS, engine_reference, sse_events, wait_idle
 
 from treespec.server.testing import popen_launch_server
 
@@ -65,3 +67,32 @@ def test_speculative_stats_flow_through_the_server(server):
     metrics = httpx.get(f"{url}/metrics").text
     line = next(x for x in metrics.splitlines() if x.startswith("treespec:spec_accept_length{"))
     assert float(line.split()[-1]) >= 1
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                          "population": {"type": "integer", "minimum": 0}},
+          "required": ["city", "population"], "additionalProperties": False}
+ASK = [{"role": "user", "content": "Name the largest city in Japan and its population, as JSON."}]
+
+
+def test_structured_output_under_speculation_equals_plain(server):
+    """response_format and a forced tool call, with speculation on, give exactly the tokens the Engine gives
+    with speculation off under the same grammar (greedy), streamed and not."""
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    (ref,) = engine_reference([{"messages": ASK, "sampling_params": {"temperature": 0, "max_new_tokens": 64,
+                                                                     "json_schema": json.dumps(SCHEMA)}}])
+    assert json.loads(ref["text"])  # the reference itself is valid
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
+    out = client.chat.completions.create(model="default", messages=ASK, response_format=fmt, temperature=0,
+                                         max_tokens=64)
+    assert out.choices[0].message.content == ref["text"]
+    assert out.usage.completion_tokens == len(ref["output_ids"])
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="default", messages=ASK, response_format=fmt, temperature=0, max_tokens=64, stream=True) if c.choices)
+    assert streamed == ref["text"]
+    tools = [{"type": "function", "function": {"name": "record_city", "parameters": SCHEMA}}]
+    call = client.chat.completions.create(model="default", messages=ASK, tools=tools, temperature=0, max_tokens=64,
+                                          tool_choice={"type": "function", "function": {"name": "record_city"}})
+    assert call.choices[0].finish_reason == "tool_calls"
+    assert call.choices[0].message.tool_calls[0].function.arguments == ref["text"]
+    assert wait_idle(server.base_url)["kv_pool_balanced"] is True

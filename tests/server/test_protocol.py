@@ -164,7 +164,7 @@ def test_openai_range_errors(extra, param):
 
 def test_openai_sampling_translation():
     req = parse_openai(CompletionRequest, {"prompt": [1, 2], "n": 2, "seed": 7, "stop": "x", "temperature": 0,
-                                           "top_k": 5, "min_tokens": 1, "unknown_field": 1})
+                                           "top_k": 5, "min_tokens": 1})
     a, b = sampling_dicts(req, 8)
     assert a["max_new_tokens"] == 8 and a["stop"] == "x" and a["top_k"] == 5 and a["min_new_tokens"] == 1
     assert (a["seed"], b["seed"]) == (7, 8)

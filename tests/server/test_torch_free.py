@@ -1,4 +1,4 @@
-"""The HTTP and detokenizer processes never load torch (nor transformers, which imports it): they use
+"""The HTTP and detokenizer processes never load torch (nor transformers or xgrammar, which import it): they use
 treespec.tokenizer, and only the scheduler process holds the model."""
 
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 CODE = ("import treespec.server.detokenizer, treespec.server.http_server, treespec.server.tokenizer_manager, "
         "treespec.server.openai_api; import sys; "
-        "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules); "
+        "heavy = sorted(m for m in ('torch', 'transformers', 'xgrammar') if m in sys.modules); "
         "assert not heavy, heavy")
 
 

@@ -216,3 +216,72 @@ def test_select_ties_go_to_the_first_choice():
     from treespec.lang.backends import pick
 
     assert pick([-1.0, -0.5, -0.5]) == 1 and pick([-2.0, -2.0]) == 0
+
+
+PHONE = r"\(\d{3}\) \d{3}-\d{4}"
+FLAG = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 9}},
+        "required": ["ok", "n"], "additionalProperties": False}
+
+
+@function
+def constrained(s):
+    s += "Call me at "
+    s += gen("phone", regex=PHONE, max_tokens=24)
+    s += "\nStatus: "
+    s += gen("status", json_schema=FLAG, max_tokens=48)
+    s += "\nVerdict:"
+    s += gen("verdict", choices=[" guilty", " not guilty"])
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 7}])
+def test_gen_grammars_and_choices_on_the_engine(engine, backend, sampling):
+    """A random model left to itself writes noise; under the grammar it writes a phone number and a valid
+    object, and gen(choices=) picks exactly what select picks."""
+    import json
+    import re
+
+    import jsonschema
+
+    for state in constrained.run_batch([{}] * 3, backend=backend, **sampling):
+        assert state.error is None, state.error
+        assert re.fullmatch(PHONE, state["phone"]), state["phone"]
+        jsonschema.validate(json.loads(state["status"]), FLAG)
+        assert state["verdict"] in (" guilty", " not guilty")
+    direct_out = engine.generate("Call me at ", {**sampling, "regex": PHONE, "max_new_tokens": 24})["text"]
+    if sampling["temperature"] == 0:
+        assert direct_out == state["phone"]
+
+    @function
+    def by_select(s):
+        s += state.text()[:state.text().rindex("Verdict:") + len("Verdict:")]
+        s += select("verdict", choices=[" guilty", " not guilty"])
+
+    assert by_select.run(backend=backend)["verdict"] == state["verdict"]
+
+
+def test_gen_grammar_arguments():
+    from treespec.lang.ir import Gen, Select
+
+    g = gen("x", json_schema={"type": "object"}, max_tokens=5)
+    assert isinstance(g, Gen) and g.sampling_params({"temperature": 0}) == {
+        "temperature": 0, "max_new_tokens": 5, "json_schema": '{"type": "object"}'}
+    assert gen("x", regex="a+").sampling_params({})["regex"] == "a+"
+    assert gen("x", ebnf='root ::= "a"').sampling_params({})["ebnf"] == 'root ::= "a"'
+    s = gen("x", choices=["a", "b"])
+    assert isinstance(s, Select) and s.choices == ["a", "b"] and s.name == "x"
+    with pytest.raises(ValueError, match="at most one"):
+        gen("x", regex="a", json_schema="{}")
+    with pytest.raises(ValueError, match="takes no max_tokens, temperature"):
+        gen("x", choices=["a"], temperature=0.5, max_tokens=3)
+
+
+def test_bad_grammar_fails_its_program_only(backend):
+    @function
+    def bad(s, i):
+        s += f"Item {i}:"
+        s += gen("out", regex="(" if i == 1 else "[0-9]", max_tokens=4)
+
+    states = bad.run_batch([{"i": i} for i in range(3)], backend=backend, temperature=0)
+    assert "regex" in str(states[1].error)
+    assert all(states[i].error is None and states[i]["out"].isdigit() for i in (0, 2))

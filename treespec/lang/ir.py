@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +37,9 @@ class Seq(Node):
 
 @dataclass
 class Gen(Node):
-    """Generate text and capture it as `name` (sampling params left None use the run's defaults)."""
+    """Generate text and capture it as `name` (sampling params left None use the run's defaults). At most
+    one of `regex`, `json_schema` (JSON text or a dict), `ebnf` constrains the output; the engine enforces
+    it as SGLang's sampling params of the same names."""
 
     name: str | None = None
     max_tokens: int | None = None
@@ -51,16 +54,24 @@ class Gen(Node):
     ignore_eos: bool | None = None
     seed: int | None = None
     regex: str | None = None
+    json_schema: str | dict | None = None
+    ebnf: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [n for n in ("regex", "json_schema", "ebnf") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ValueError(f"gen takes at most one of regex, json_schema, ebnf (got {', '.join(given)})")
+        if isinstance(self.json_schema, dict):
+            self.json_schema = json.dumps(self.json_schema)
 
     def sampling_params(self, defaults: dict[str, Any]) -> dict[str, Any]:
         own = {"max_new_tokens": self.max_tokens, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
                "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
                "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
-               "ignore_eos": self.ignore_eos, "seed": self.seed}
+               "ignore_eos": self.ignore_eos, "seed": self.seed, "regex": self.regex,
+               "json_schema": self.json_schema, "ebnf": self.ebnf}
         params = {k: v for k, v in defaults.items() if v is not None}
         params.update({k: v for k, v in own.items() if v is not None})
-        if self.regex is not None:
-            raise NotImplementedError("gen(regex=...) is not supported by this runtime")
         return params
 
 
@@ -102,8 +113,18 @@ def as_node(x: Any) -> Node:
 
 def gen(name: str | None = None, max_tokens: int | None = None, stop: str | list[str] | None = None,
         temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-        **kwargs: Any) -> Gen:
-    return Gen(name, max_tokens=max_tokens, stop=stop, temperature=temperature, top_p=top_p, top_k=top_k, **kwargs)
+        regex: str | None = None, json_schema: str | dict | None = None, choices: list[str] | None = None,
+        **kwargs: Any) -> Gen | Select:
+    """Generate (SGLang's `gen`). With `choices`, pick one of them instead, exactly as `select` does."""
+    if choices is not None:
+        others = {"max_tokens": max_tokens, "stop": stop, "temperature": temperature, "top_p": top_p,
+                  "top_k": top_k, "regex": regex, "json_schema": json_schema, **kwargs}
+        given = sorted(k for k, v in others.items() if v is not None)
+        if given:  # a choice is scored, not sampled: these would be silently ignored
+            raise ValueError(f"gen(choices=...) takes no {', '.join(given)}")
+        return select(name, choices)
+    return Gen(name, max_tokens=max_tokens, stop=stop, temperature=temperature, top_p=top_p, top_k=top_k,
+               regex=regex, json_schema=json_schema, **kwargs)
 
 
 def select(name: str | None = None, choices: list[str] | None = None) -> Select:

@@ -28,6 +28,8 @@ from treespec.speculative.shapes import SpecSchedule, SpecShape
 from treespec.speculative.step_result import SpecStepResult, verify_tree_step
 from treespec.speculative.tree import tree_from_parents
 
+GRAMMAR_DRAFT_OVERSAMPLE = 2  # a constrained request draws this many times its budget, then keeps the allowed
+
 
 def ngram_config(args: ServerArgs) -> NgramConfig:
     return NgramConfig(
@@ -75,6 +77,15 @@ class NgramWorker:
     def release(self, req: Req, keep_draft_kv: bool) -> None:
         """Nothing per request to forget: the cache keeps every request's text."""
 
+    def _draft(self, req: Req, max_drafts: int) -> tuple[list[int], list[int]]:
+        """(tokens, parents) of one request's drafts. A constrained request asks the cache for twice its
+        budget and keeps the drafts its grammar allows, so its nodes go to tokens that can be accepted."""
+        if req.grammar is None:
+            draft = self.cache.draft(req.all_ids, max_drafts)
+            return draft.tokens, draft.parents
+        draft = self.cache.draft(req.all_ids, GRAMMAR_DRAFT_OVERSAMPLE * max_drafts)
+        return req.grammar.allowed_drafts(draft.tokens, draft.parents, max_drafts)
+
     def decode_step(self, reqs: list[Req], shape: SpecShape) -> SpecStepResult:
         """Draft from the cache within `shape.num_draft_tokens` nodes per request (the root included) and
         verify. The Scheduler sized `shape` against the free KV; this allocates only what the largest
@@ -82,7 +93,7 @@ class NgramWorker:
         kv_lens = [r.kv_len for r in reqs]
         prefix_slots = [self.req_to_token_pool.read(r.req_pool_idx, 0, k) for r, k in zip(reqs, kv_lens, strict=True)]
         roots = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=self.device)
-        drafts = [self.cache.draft(r.all_ids, shape.num_draft_tokens - 1) for r in reqs]
-        tree = tree_from_parents(roots, [d.tokens for d in drafts], [d.parents for d in drafts], kv_lens)
+        drafts = [self._draft(r, shape.num_draft_tokens - 1) for r in reqs]
+        tree = tree_from_parents(roots, [d[0] for d in drafts], [d[1] for d in drafts], kv_lens)
         return verify_tree_step(reqs, tree, kv_lens, prefix_slots, self.target, self.allocator,
                                 self.target_capture_layers, return_all_hidden=False, node_sources="ngram")

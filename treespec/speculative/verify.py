@@ -2,7 +2,8 @@
 
 Every tree node's target row is processed as the plain sampler would process the logits at that
 point of the sequence: penalties see the request's output counts plus the draft tokens on the node's
-path, then greedy requests take the argmax and sampled ones the distribution of
+path, a constrained request's row is masked by its grammar state along that path
+(treespec.constrained), then greedy requests take the argmax and sampled ones the distribution of
 `treespec.sampling.apply_sampling_filters` (the function plain sampling uses). Greedy verification
 follows the argmax; lossless tree speculative sampling (kernels) the filtered distribution; both run
 in one mixed batch by giving greedy rows a one-hot distribution.
@@ -14,19 +15,21 @@ from types import SimpleNamespace
 
 import torch
 
+from treespec.constrained import apply_tree_grammar_masks
 from treespec.kernels import tree_speculative_sampling_target_only, verify_tree_greedy
 from treespec.request import Req
 from treespec.sampling import apply_sampling_filters, mask_min_new_tokens, penalized_logits, sampling_tensors
 from treespec.speculative.tree import DraftTree
 
 
-def tree_penalized_logits(reqs: list[Req], logits: torch.Tensor, tree: DraftTree) -> torch.Tensor:
+def tree_penalized_logits(reqs: list[Req], logits: torch.Tensor, tree: DraftTree, min_new_tokens: bool = True
+                          ) -> torch.Tensor:
     """Penalties per node row: counts = the request's output counts + the draft tokens on the path
     from the root (excluded: it is already counted) to the node (included). min_new_tokens: the row of
     a node at depth d picks output token len(output_ids) + d + 1, so its stop tokens are masked while
     len(output_ids) + d < min_new_tokens, as plain sampling masks them."""
     n = tree.num_nodes
-    if any(len(r.output_ids) < r.sampling_params.min_new_tokens for r in reqs):
+    if min_new_tokens and any(len(r.output_ids) < r.sampling_params.min_new_tokens for r in reqs):
         depths = (tree.ancestors.sum(-1) - 1).reshape(-1).tolist()  # [bs*n]: each node's distance from its root
         logits = mask_min_new_tokens([r for r in reqs for _ in range(n)], logits, depths)
     if not any(r.sampling_params.has_penalties for r in reqs):
@@ -48,6 +51,21 @@ def tree_penalized_logits(reqs: list[Req], logits: torch.Tensor, tree: DraftTree
     return penalized_logits(rows, logits)
 
 
+def tree_processed_logits(reqs: list[Req], logits: torch.Tensor, tree: DraftTree) -> torch.Tensor:
+    """Penalties, min_new_tokens and grammar masks per node row, as sample_next_tokens processes a plain
+    row: where the grammar is complete (only EOS allowed) and min_new_tokens blocks EOS, the grammar wins."""
+    processed = apply_tree_grammar_masks(reqs, tree_penalized_logits(reqs, logits, tree), tree)
+    if not any(r.grammar is not None and len(r.output_ids) < r.sampling_params.min_new_tokens for r in reqs):
+        return processed
+    dead = ~torch.isfinite(processed).any(dim=-1)
+    if bool(dead.any()):
+        unblocked = apply_tree_grammar_masks(reqs, tree_penalized_logits(reqs, logits, tree, min_new_tokens=False),
+                                             tree)
+        processed = processed.clone()
+        processed[dead] = unblocked[dead]
+    return processed
+
+
 def verify_tree_mixed(reqs: list[Req], logits: torch.Tensor, tree: DraftTree
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (predicts [bs*n], accept_index [bs, D+1], accept_length [bs]) as the kernels define them.
@@ -55,7 +73,7 @@ def verify_tree_mixed(reqs: list[Req], logits: torch.Tensor, tree: DraftTree
     drawn on the host, from each request's own generator."""
     bs, n = tree.candidates.shape
     device = logits.device
-    logits = tree_penalized_logits(reqs, logits.float(), tree)
+    logits = tree_processed_logits(reqs, logits.float(), tree)
     args = (tree.candidates, tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling)
     greedy = torch.tensor([r.sampling_params.greedy for r in reqs], device=device)
     if bool(greedy.all()):
