@@ -42,7 +42,7 @@ class PackedWeight:
     data: torch.Tensor
     out_features: int
     layout: str  # "panel", "panel_quant" or "onednn"
-    scale_min: torch.Tensor | None = None  # "panel_quant": the blocks' packed fp16 scales and mins
+    avx512: bool = False  # "panel_quant": run the kernel's AVX-512 code (chosen at pack time)
 
 
 def packing_layout(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -87,8 +87,8 @@ def pack_weight(weight: torch.Tensor, layout: str | None = None, block_quant: Bl
     (models/block_quant.py): same results, ~4x fewer bytes streamed."""
     layout = layout or packing_layout(weight.device, weight.dtype)
     if layout == "panel" and block_quant is not None and block_quant.reproduces(weight):
-        codes, scale_min = cpu_linear.load().pack_quant(block_quant.codes, block_quant.scales, block_quant.mins)
-        return PackedWeight(codes, weight.shape[0], "panel_quant", scale_min)
+        blocks = cpu_linear.load().pack_quant(block_quant.codes, block_quant.scales, block_quant.mins)
+        return PackedWeight(blocks, weight.shape[0], "panel_quant", cpu_linear.quant_avx512())
     if layout == "panel":
         dense = weight.detach().contiguous()
         if dense.dtype == torch.float32 and torch.equal(dense, dense.bfloat16().float()):
@@ -111,7 +111,7 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     if packed.layout == "panel":
         out = cpu_linear.load().linear(rows, packed.data, bias, packed.out_features)
     elif packed.layout == "panel_quant":
-        out = cpu_linear.load().linear_quant(rows, packed.data, packed.scale_min, bias, packed.out_features)
+        out = cpu_linear.load().linear_quant(rows, packed.data, bias, packed.out_features, packed.avx512)
     else:
         out = torch.ops.mkldnn._linear_pointwise(rows, packed.data, bias, "none", [], "")
     return out if flat else out.view(*x.shape[:-1], packed.out_features)
