@@ -38,37 +38,58 @@ static inline void tile(const float* x, int64_t k_dim, const uint8_t* data, int6
       codes[j] = block + kQuantHeader + half[j] * kPanel * 4;
     }
     const float* xb = x + b * kQuantBlock;
-    // A code is taken in place, ORed at bit offset `at` into the mantissa of 2^23 (then 2^23 is
-    // subtracted): that gives code * 2^at exactly, so the scale is taken times 2^-at (also exact, and
-    // no fp16 scale gets near fp32's underflow), and scale' * code' = scale * code: fma(scale', code',
-    // min) is fma(scale, code, min) bit for bit. Only the upper 16 bits of a word need a shift.
-    constexpr int kPerWord = 32 / BITS, kPerHalf = kPerWord / 2;  // codes per 32-bit word / 16 bits
-    V scale_at[PANELS][kPerHalf];
-#pragma GCC unroll 8
-    for (int j = 0; j < PANELS; ++j) {
-#pragma GCC unroll 8
-      for (int i = 0; i < kPerHalf; ++i) scale_at[j][i] = vscale(scale[j], 1.0f / float(1 << (i * BITS)));
-    }
-    for (int r = 0; r < kQuantBlock / kPerWord; ++r) {
-      VI low[PANELS], high[PANELS];
+    if constexpr (kCodesInPlace) {
+      // A code is taken in place, ORed at bit offset `at` into the mantissa of 2^23 (then 2^23 is
+      // subtracted): that gives code * 2^at exactly, so the scale is taken times 2^-at (also exact, and
+      // no fp16 scale gets near fp32's underflow), and scale' * code' = scale * code: fma(scale', code',
+      // min) is fma(scale, code, min) bit for bit. Only the upper 16 bits of a word need a shift.
+      constexpr int kPerWord = 32 / BITS, kPerHalf = kPerWord / 2;  // codes per 32-bit word / 16 bits
+      V scale_at[PANELS][kPerHalf];
 #pragma GCC unroll 8
       for (int j = 0; j < PANELS; ++j) {
-        low[j] = vwords(codes[j] + r * kGroupCols * 4);
-        high[j] = vhigh16(low[j]);
+#pragma GCC unroll 8
+        for (int i = 0; i < kPerHalf; ++i) scale_at[j][i] = vscale(scale[j], 1.0f / float(1 << (i * BITS)));
       }
+      for (int r = 0; r < kQuantBlock / kPerWord; ++r) {
+        VI low[PANELS], high[PANELS];
 #pragma GCC unroll 8
-      for (int t = 0; t < kPerWord; ++t) {
-        const int i = t % kPerHalf;
-        V w[PANELS];
+        for (int j = 0; j < PANELS; ++j) {
+          low[j] = vwords(codes[j] + r * kGroupCols * 4);
+          high[j] = vhigh16(low[j]);
+        }
 #pragma GCC unroll 8
-        for (int j = 0; j < PANELS; ++j)
-          w[j] = vfma(scale_at[j][i], vcode(t < kPerHalf ? low[j] : high[j], ((1 << BITS) - 1) << (i * BITS)),
-                      min[j]);
+        for (int t = 0; t < kPerWord; ++t) {
+          const int i = t % kPerHalf;
+          V w[PANELS];
 #pragma GCC unroll 8
-        for (int m = 0; m < ROWS; ++m) {
-          const V xv = vbroadcast(xb + m * k_dim + r * kPerWord + t);
+          for (int j = 0; j < PANELS; ++j)
+            w[j] = vfma(scale_at[j][i], vcode(t < kPerHalf ? low[j] : high[j], ((1 << BITS) - 1) << (i * BITS)),
+                        min[j]);
 #pragma GCC unroll 8
-          for (int j = 0; j < PANELS; ++j) acc[m * PANELS + j] = vfma(xv, w[j], acc[m * PANELS + j]);
+          for (int m = 0; m < ROWS; ++m) {
+            const V xv = vbroadcast(xb + m * k_dim + r * kPerWord + t);
+#pragma GCC unroll 8
+            for (int j = 0; j < PANELS; ++j) acc[m * PANELS + j] = vfma(xv, w[j], acc[m * PANELS + j]);
+          }
+        }
+      }
+    } else {  // fewer registers (AVX2's 16): each code shifted down, the scale as it is
+      constexpr int kPerWord = 32 / BITS;
+      for (int r = 0; r < kQuantBlock / kPerWord; ++r) {
+        VI words[PANELS];
+#pragma GCC unroll 8
+        for (int j = 0; j < PANELS; ++j) words[j] = vwords(codes[j] + r * kGroupCols * 4);
+#pragma GCC unroll 8
+        for (int t = 0; t < kPerWord; ++t) {
+          V w[PANELS];
+#pragma GCC unroll 8
+          for (int j = 0; j < PANELS; ++j) w[j] = vfma(scale[j], vcode(vshift(words[j], t * BITS), (1 << BITS) - 1), min[j]);
+#pragma GCC unroll 8
+          for (int m = 0; m < ROWS; ++m) {
+            const V xv = vbroadcast(xb + m * k_dim + r * kPerWord + t);
+#pragma GCC unroll 8
+            for (int j = 0; j < PANELS; ++j) acc[m * PANELS + j] = vfma(xv, w[j], acc[m * PANELS + j]);
+          }
         }
       }
     }

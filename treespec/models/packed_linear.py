@@ -9,9 +9,11 @@ layouts, chosen once per (device, dtype):
   every fp32 value is a bf16 one: exact, half the bytes), and for bf16 where oneDNN cannot pack bf16: 16-column panels streamed at ~25-31 GB/s on the 2-core dev machine, and
   batch-invariant (a verify row equals a decode row bit for bit). Per-step matmul time of the
   default model there in fp32: 22 ms vs oneDNN's 30 ms at 1 row, 32 vs 43 ms at 8 rows.
-- "panel_quant": the same panels over 32-block quant codes (uint8 codes, fp16 scales and mins;
+- "panel_quant": groups of two panels over 32-block quant codes (4-bit codes two per byte or 8-bit
+  codes, fp16 scales and mins;
   models/block_quant.py) where the fp32 weight came from a GGUF Q4_0/Q4_1/Q8_0 tensor and its blocks
-  reproduce it exactly: bit-identical results, ~1.06 bytes streamed per weight instead of 4.
+  reproduce it exactly: bit-identical results, 0.625 (Q4) or 1.125 (Q8) bytes streamed per weight
+  instead of 4; AVX-512 or AVX2 code chosen at pack time (kernels/cpu_linear.py's quant_avx512).
 - "onednn": oneDNN's blocked layout (`torch.ops.mkldnn`), for bf16 where oneDNN packs it (AVX512 or
   AVX-NE-CONVERT: native bf16 dot products, which matter for prefill) and for fp32 where our kernel
   cannot build.
