@@ -1,8 +1,9 @@
 """CPU matmul layouts side by side: the time of one decode step's matmuls (every linear layer of a
 Llama-family model, lm_head included) for several row counts, through our panel kernel, oneDNN's
 prepacked layout and plain F.linear (MKL), interleaved in one run; with the panel kernel also its
-block-quant path ("panel_quant": GGUF-style uint8 codes with fp16 scale and min per 32 weights, as the
-embedded default model streams them).
+block-quant path over GGUF-style blocks of 32 weights with an fp16 scale and min: "panel_q4" with 4-bit
+codes two per byte (Q4_0/Q4_1, the default model's layers), "panel_q8" with 8-bit codes (Q8_0, its
+lm_head). TREESPEC_CPU_QUANT_ISA=avx2 runs the block-quant kernel's AVX2 code on an AVX-512 CPU.
 
     python benchmarks/bench_cpu_linear.py                         # SmolLM2-135M's shapes, fp32
     python benchmarks/bench_cpu_linear.py --rows 1,2,4,8 --json cpu_linear.json
@@ -18,6 +19,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -29,10 +31,10 @@ from treespec.models.packed_linear import onednn_packs, pack_weight, packed_line
 SMOLLM2_SHAPES = [(960, 576, 30), (576, 576, 30), (3072, 576, 30), (576, 1536, 30), (49152, 576, 1)]
 
 
-def random_block_quant(out_f: int, in_f: int, gen: torch.Generator) -> BlockQuant:
-    codes = torch.randint(0, 256, (out_f, in_f), dtype=torch.uint8, generator=gen)
+def random_block_quant(out_f: int, in_f: int, gen: torch.Generator, bits: int = 8) -> BlockQuant:
+    codes = torch.randint(0, 2**bits, (out_f, in_f), dtype=torch.uint8, generator=gen)
     scales = (torch.rand(out_f, in_f // BLOCK, generator=gen) * 2e-3 / in_f**0.5).half()
-    return BlockQuant(codes, scales, (-128 * scales.float()).half())
+    return BlockQuant(codes, scales, (-(2 ** (bits - 1)) * scales.float()).half())
 
 
 def main() -> None:
@@ -53,12 +55,15 @@ def main() -> None:
         copies = max(1, args.weight_mb * 2**20 // (out_f * in_f * 4))
         dense = [torch.randn(out_f, in_f, generator=gen) / in_f**0.5 for _ in range(copies)]
         weights[(out_f, in_f)] = {"mkl": dense, **{name: [pack_weight(w, name) for w in dense] for name in layouts}}
-        if "panel" in layouts:
-            # as many copies as the fp32 ones, so both stream from memory: ~4x fewer bytes each
-            quants = [random_block_quant(out_f, in_f, gen) for _ in range(copies)]
-            weights[(out_f, in_f)]["panel_quant"] = [pack_weight(q.dequantize(), "panel", q) for q in quants]
+        for bits in (4, 8) if "panel" in layouts else ():
+            # --weight-mb of packed blocks too, so they stream from memory rather than the L3
+            quant_copies = max(1, args.weight_mb * 2**20 // (out_f * in_f * (bits + 1) // 8))
+            quants = [random_block_quant(out_f, in_f, gen, bits) for _ in range(min(quant_copies, 4))]
+            packed = [pack_weight(q.dequantize(), "panel", q) for q in quants]
+            weights[(out_f, in_f)][f"panel_q{bits}"] = [
+                replace(packed[i % len(packed)], data=packed[i % len(packed)].data.clone()) for i in range(quant_copies)]
     if "panel" in layouts:
-        layouts.append("panel_quant")
+        layouts += ["panel_q4", "panel_q8"]
 
     def call(way: str, x: torch.Tensor, weight) -> torch.Tensor:
         return F.linear(x, weight) if way == "mkl" else packed_linear(x, weight, None)

@@ -3,8 +3,10 @@ side in one run, on the same model, dtype and prompts.
 
     python benchmarks/bench_one_batch.py                      # default model, fp32 + bf16, bs 1 and 8
     python benchmarks/bench_one_batch.py --dtypes float32 --batch-sizes 1 --output-len 32
+    python benchmarks/bench_one_batch.py --speculative-algorithm auto   # the server's default (EAGLE-3)
 
-Prints a table and writes JSON (one object per (dtype, batch size) row) to --json.
+treespec decodes plainly unless --speculative-algorithm says otherwise (the ceiling columns assume one
+token per step). Prints a table and writes JSON (one object per (dtype, batch size) row) to --json.
 Decode tokens/s = batch * (output_len - 1) / (time(output_len tokens) - time(1 token)), so the
 prefill is subtracted out; each number is the median of --repeats runs, ours and transformers'
 interleaved so that machine noise hits both alike.
@@ -92,8 +94,7 @@ def streamed_bytes_per_token(model: torch.nn.Module, kv_bytes_per_position: int,
     from treespec.models.packed_linear import PackedLinear, PackedWeight
 
     def packed_bytes(p: PackedWeight) -> int:
-        extra = p.scale_min.numel() * p.scale_min.element_size() if p.scale_min is not None else 0
-        return p.data.numel() * p.data.element_size() + extra
+        return p.data.numel() * p.data.element_size()
 
     total = 0
     packed_head = getattr(model, "packed_lm_head", None)
@@ -121,6 +122,8 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--speculative-algorithm", default="NONE",
+                        help="treespec's (NONE, auto, EAGLE, EAGLE3, NGRAM); default NONE: plain decoding")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads for both sides (default: torch's)")
     parser.add_argument("--json", default="bench_one_batch.json")
     args = parser.parse_args()
@@ -135,7 +138,7 @@ def main() -> None:
     rows = []
     for dtype in args.dtypes.split(","):
         engine = Engine(model_path=args.model_path, dtype=dtype, disable_radix_cache=True, max_total_tokens=16384,
-                        num_threads=args.num_threads)
+                        num_threads=args.num_threads, speculative_algorithm=args.speculative_algorithm)
         hf = AutoModelForCausalLM.from_pretrained(engine.scheduler.model_dir, dtype=getattr(torch, dtype)).eval()
         vocab = engine.scheduler.vocab_size
         # Roofline: a batch-1 decode step reads every weight once, so it cannot beat bytes / bandwidth.
@@ -161,7 +164,7 @@ def main() -> None:
             decoded = bs * (args.output_len - 1)
             row = {
                 "dtype": dtype, "batch_size": bs, "input_len": args.input_len, "output_len": args.output_len,
-                "threads": torch.get_num_threads(),
+                "threads": torch.get_num_threads(), "speculative_algorithm": args.speculative_algorithm,
                 "treespec_prefill_tok_s": bs * args.input_len / med["ours_1"],
                 "hf_prefill_tok_s": bs * args.input_len / med["hf_1"],
                 "treespec_decode_tok_s": decoded / max(med["ours_n"] - med["ours_1"], 1e-9),

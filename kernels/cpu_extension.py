@@ -20,7 +20,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SHARED_HEADER = Path(__file__).with_name("avx2_math.h")  # included by the .cpp files
+KERNEL_DIR = Path(__file__).parent  # its *.h files are included by the .cpp files
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 # torch's builder waits forever on a lock left by a build that was killed (Ctrl-C on a first start);
 # a build takes ~30 s, so a lock this old is stale.
@@ -59,8 +59,8 @@ def build(name: str, source: Path, probe: Callable[[ModuleType], None]) -> Modul
         clear_stale_build_lock(name)
         # -fopenmp only at compile time: at::parallel_for's OpenMP calls then resolve to the runtime
         # torch already loaded, so the kernel shares torch's thread pool and thread count.
-        # torch rebuilds when the source or the flags change; the shared header's hash rides in a flag
-        header_hash = hashlib.sha1(SHARED_HEADER.read_bytes()).hexdigest()[:12]
+        # torch rebuilds when the source or the flags change; the headers' hash rides in a flag
+        header_hash = hashlib.sha1(b"".join(h.read_bytes() for h in sorted(KERNEL_DIR.glob("*.h")))).hexdigest()[:12]
         module = load(name, [str(source)], extra_cflags=[*CFLAGS, f"-DTREESPEC_MATH_H={header_hash}"],
                       verbose=False)
         probe(module)

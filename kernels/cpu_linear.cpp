@@ -135,159 +135,167 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
 
 // --- Block-quantized fp32 weights ------------------------------------------------------------------
 // GGUF's Q4_0/Q4_1/Q8_0 weights are w = scale * code + min per block of 32 consecutive k, with an
-// integer code and fp16 scale and min. Stored that way (uint8 codes, fp16 scale/min) a panel streams
-// 1.06 bytes per weight instead of 4. Each weight is rebuilt in registers with one fma: scale * code
-// is exact in fp32 (11 + 8 significant bits), so fma(scale, code, min) rounds once, to the very fp32
-// value that dequantizing to fp32 gives; the fma chain over k is then `linear`'s, so results are bit
-// for bit those of `linear` over the dequantized weight.
+// integer code and fp16 scale and min. Stored that way a panel streams 0.56 (4-bit codes, two per
+// byte) or 1.06 (8-bit codes) bytes per weight instead of 4. Each weight is rebuilt in registers with
+// one fma: scale * code is exact in fp32 (11 + 8 significant bits), so fma(scale, code, min) rounds
+// once, to the very fp32 value that dequantizing to fp32 gives; the fma chain over k is then
+// `linear`'s, so results are bit for bit those of `linear` over the dequantized weight.
 constexpr int64_t kQuantBlock = 32;
-// Each output's fma chain over k is serial, so one row against one panel (two chains) waits on fma
-// latency; a tile of ROWS x PANELS keeps 8 independent chains in flight (decode: 1 row x 4 panels).
-constexpr int kQuantChains = 4;  // ROWS * PANELS per tile
+constexpr int64_t kGroupPanels = 2;  // panels per group: a thread's share of the columns is whole groups
+constexpr int64_t kGroupCols = kGroupPanels * kPanel;  // code bytes per k step (8-bit) or k pair (4-bit)
+constexpr int64_t kQuantHeader = kGroupPanels * kPanel * 2 * 2;  // per group and block: fp16 scales + mins
+// Each output's fma chain over k is serial; a tile of ROWS x PANELS keeps up to 4 16-column chains in
+// flight, and verify rows share each rebuilt weight (cpu_linear_quant.h's quant_rows).
+constexpr int kQuantChains = 4;  // panels per chunk, rows per verify tile
+constexpr int kFloatTwo23Bits = 0x4B000000;  // 2^23 as fp32: ORing an integer below 2^23 into it adds it
+constexpr float kFloatTwo23 = 8388608.0f;
 
-// uint8 codes [N, K] -> [ceil(N/16), K, 16]; fp16 scales and mins [N, K/32] -> [ceil(N/16), K/32, 2, 16]
-std::vector<torch::Tensor> pack_quant(torch::Tensor codes, torch::Tensor scales, torch::Tensor mins) {
+// The block bytes of one group (32 columns x 32 k) for `bits`-bit codes
+static int64_t quant_block_bytes(int64_t bits) { return kQuantHeader + kQuantBlock * kGroupCols * bits / 8; }
+
+// uint8 codes [N, K], fp16 scales and mins [N, K/32] -> uint8 [ceil(N/32), K/32, block bytes]: per
+// group of 32 columns and block of 32 k, the fp16 scales and mins of each panel, then the codes in
+// 32-bit words (cpu_linear_quant.h), 4 bits each where every code fits 4 bits, else 8.
+torch::Tensor pack_quant(torch::Tensor codes, torch::Tensor scales, torch::Tensor mins) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kUInt8 && codes.size(1) % kQuantBlock == 0,
               "pack_quant: expected uint8 codes [N, K] with K a multiple of 32");
   const int64_t n = codes.size(0), k = codes.size(1), blocks = k / kQuantBlock;
-  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t groups = (n + kGroupCols - 1) / kGroupCols;
   for (const auto& t : {scales, mins})
     TORCH_CHECK(t.scalar_type() == torch::kHalf && t.dim() == 2 && t.size(0) == n && t.size(1) == blocks,
                 "pack_quant: expected fp16 scales and mins [N, K/32]");
-  auto padded = torch::zeros({panels * kPanel, k}, codes.options());
+  const int64_t bits = n == 0 || codes.max().item<uint8_t>() < 16 ? 4 : 8, per_word = 32 / bits;
+  auto padded = torch::zeros({groups * kGroupCols, k}, codes.options());
   padded.narrow(0, 0, n).copy_(codes);
-  auto packed_codes = padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
-  auto scale_min = torch::zeros({panels * kPanel, blocks, 2}, scales.options());
+  // [group, column, block, word, code] -> [group, block, word, code, column]; then each word's codes
+  // ORed into one int32, the first k in the low bits
+  auto split = padded.view({groups, kGroupCols, blocks, kQuantBlock / per_word, per_word}).permute({0, 2, 3, 4, 1})
+                   .to(torch::kInt64);  // no signed overflow in the shifts; the low 32 bits are the word
+  auto words = torch::zeros({groups, blocks, kQuantBlock / per_word, kGroupCols}, split.options());
+  for (int64_t t = 0; t < per_word; ++t) words.bitwise_or_(split.select(3, t).bitwise_left_shift(bits * t));
+  words = words.to(torch::kInt32);
+  auto scale_min = torch::zeros({groups * kGroupCols, blocks, 2}, scales.options());
   scale_min.narrow(0, 0, n).select(2, 0).copy_(scales);
   scale_min.narrow(0, 0, n).select(2, 1).copy_(mins);
-  auto packed_scale_min = scale_min.view({panels, kPanel, blocks, 2}).permute({0, 2, 3, 1}).contiguous();
-  return {packed_codes, packed_scale_min};
+  // [group, panel, column, block, scale|min] -> [group, block, panel, scale|min, column], as bytes
+  auto header = scale_min.view({groups, kGroupPanels, kPanel, blocks, 2}).permute({0, 3, 1, 4, 2})
+                    .contiguous().view(torch::kUInt8).reshape({groups, blocks, kQuantHeader});
+  return torch::cat({header, words.view(torch::kUInt8).reshape({groups, blocks, -1})}, 2);
 }
 
-// 8 uint8 codes as fp32 (the load folds into vpmovzxbd's memory operand)
-static inline __m256 load_codes(const uint8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+// 16 output columns in fp32 lanes, AVX2: two ymm registers
+namespace quant_avx2 {
+struct V {
+  __m256 lo, hi;
+};
+static inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline V vbroadcast(const float* p) {
+  const __m256 v = _mm256_broadcast_ss(p);
+  return {v, v};
+}
+static inline V vfma(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+static inline V vhalf(const uint8_t* p) {  // 16 fp16
+  const auto* q = reinterpret_cast<const __m128i*>(p);
+  return {_mm256_cvtph_ps(_mm_loadu_si128(q)), _mm256_cvtph_ps(_mm_loadu_si128(q + 1))};
+}
+struct VI {
+  __m256i lo, hi;
+};
+// Codes shifted down and converted: with 16 registers the in-place scales of the AVX-512 code spill,
+// and the conversion measured faster here than the 2^23 trick (bench_cpu_linear, TREESPEC_CPU_QUANT_ISA=avx2)
+constexpr bool kCodesInPlace = false;
+static inline VI vwords(const uint8_t* p) {  // 16 code words
+  const auto* q = reinterpret_cast<const __m256i*>(p);
+  return {_mm256_loadu_si256(q), _mm256_loadu_si256(q + 1)};
+}
+static inline VI vhigh16(VI w) { return {_mm256_srli_epi32(w.lo, 16), _mm256_srli_epi32(w.hi, 16)}; }
+static inline VI vshift(VI w, int bits) { return {_mm256_srli_epi32(w.lo, bits), _mm256_srli_epi32(w.hi, bits)}; }
+static inline __m256 code_at(__m256i w, int mask) {  // w & mask as fp32
+  return _mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(mask)));
+}
+static inline V vcode(VI w, int mask) { return {code_at(w.lo, mask), code_at(w.hi, mask)}; }
+static inline V vscale(V v, float f) {
+  return {_mm256_mul_ps(v.lo, _mm256_set1_ps(f)), _mm256_mul_ps(v.hi, _mm256_set1_ps(f))};
+}
+static inline void vstore(float* p, V v) {
+  _mm256_store_ps(p, v.lo);
+  _mm256_store_ps(p + 8, v.hi);
+}
+#include "cpu_linear_quant.h"
+}  // namespace quant_avx2
+
+// The same in one zmm register, compiled for AVX-512 whatever the build flags; chosen at run time
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+namespace quant_avx512 {
+struct V {
+  __m512 v;
+};
+static inline V vzero() { return {_mm512_setzero_ps()}; }
+static inline V vbroadcast(const float* p) { return {_mm512_set1_ps(*p)}; }
+static inline V vfma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+static inline V vhalf(const uint8_t* p) {
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+struct VI {
+  __m512i v;
+};
+constexpr bool kCodesInPlace = true;
+static inline VI vwords(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
+static inline VI vhigh16(VI w) { return {_mm512_srli_epi32(w.v, 16)}; }
+static inline VI vshift(VI w, int bits) { return {_mm512_srli_epi32(w.v, bits)}; }
+// w & mask as fp32, for a mask within the low 23 bits: ORed into the mantissa of 2^23 in one ternlog,
+// then 2^23 subtracted (exact); this keeps integer-to-float conversions off the fma ports
+static inline V vcode(VI w, int mask) {
+  const __m512i bits = _mm512_ternarylogic_epi32(w.v, _mm512_set1_epi32(mask), _mm512_set1_epi32(kFloatTwo23Bits), 0xEA);
+  return {_mm512_sub_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(kFloatTwo23))};
+}
+static inline V vscale(V v, float f) { return {_mm512_mul_ps(v.v, _mm512_set1_ps(f))}; }
+static inline void vstore(float* p, V v) { _mm512_store_ps(p, v.v); }
+#include "cpu_linear_quant.h"
+}  // namespace quant_avx512
+#pragma GCC pop_options
+
+// Whether this CPU runs the AVX-512 block-quant path (F, BW, VL, DQ), checked by the CPU itself
+bool cpu_has_avx512() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
 
-// ROWS input rows against PANELS consecutive panels (output columns col0 ...).
-template <int ROWS, int PANELS>
-static inline void quant_tile(const float* x, int64_t k_dim, const uint8_t* codes, const at::Half* scale_min,
-                              float* y, int64_t ldy, const float* bias, int64_t cols_left) {
-  __m256 lo[ROWS * PANELS], hi[ROWS * PANELS];  // [row * PANELS + panel]
-#pragma GCC unroll 4
-  for (int a = 0; a < ROWS * PANELS; ++a) {
-    lo[a] = _mm256_setzero_ps();
-    hi[a] = _mm256_setzero_ps();
-  }
-  const int64_t blocks = k_dim / kQuantBlock;
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m256 scale0[PANELS], scale1[PANELS], min0[PANELS], min1[PANELS];
-#pragma GCC unroll 4
-    for (int j = 0; j < PANELS; ++j) {  // per block and panel: 16 fp16 scales, then 16 fp16 mins
-      const auto* sm = reinterpret_cast<const __m128i*>(scale_min + (j * blocks + b) * 2 * kPanel);
-      scale0[j] = _mm256_cvtph_ps(_mm_loadu_si128(sm));
-      scale1[j] = _mm256_cvtph_ps(_mm_loadu_si128(sm + 1));
-      min0[j] = _mm256_cvtph_ps(_mm_loadu_si128(sm + 2));
-      min1[j] = _mm256_cvtph_ps(_mm_loadu_si128(sm + 3));
-    }
-    for (int64_t k = b * kQuantBlock; k < (b + 1) * kQuantBlock; ++k) {
-      __m256 w0[PANELS], w1[PANELS];
-#pragma GCC unroll 4
-      for (int j = 0; j < PANELS; ++j) {
-        const uint8_t* c = codes + (j * k_dim + k) * kPanel;
-        w0[j] = _mm256_fmadd_ps(scale0[j], load_codes(c), min0[j]);
-        w1[j] = _mm256_fmadd_ps(scale1[j], load_codes(c + 8), min1[j]);
-      }
-#pragma GCC unroll 4
-      for (int m = 0; m < ROWS; ++m) {
-        const __m256 xv = _mm256_broadcast_ss(x + m * k_dim + k);
-#pragma GCC unroll 4
-        for (int j = 0; j < PANELS; ++j) {
-          lo[m * PANELS + j] = _mm256_fmadd_ps(xv, w0[j], lo[m * PANELS + j]);
-          hi[m * PANELS + j] = _mm256_fmadd_ps(xv, w1[j], hi[m * PANELS + j]);
-        }
-      }
-    }
-  }
-  // Spill the accumulators with constant indices only: a runtime index would make the compiler keep
-  // them in memory inside the k loop.
-  alignas(32) float out[ROWS * PANELS][kPanel];
-#pragma GCC unroll 4
-  for (int a = 0; a < ROWS * PANELS; ++a) {
-    _mm256_store_ps(out[a], lo[a]);
-    _mm256_store_ps(out[a] + 8, hi[a]);
-  }
-  for (int m = 0; m < ROWS; ++m) {
-    for (int j = 0; j < PANELS; ++j) {
-      const int64_t cols = std::min(kPanel, cols_left - j * kPanel);
-      const float* b = bias ? bias + j * kPanel : nullptr;
-      const float* o = out[m * PANELS + j];
-      float* yr = y + m * ldy + j * kPanel;
-      for (int64_t c = 0; c < cols; ++c) yr[c] = b ? o[c] + b[c] : o[c];
-    }
-  }
-}
-
-// ROWS rows against panels [begin, end): PANELS at a time, then one by one.
-template <int ROWS, int PANELS>
-static void quant_tiles(const float* x, int64_t k_dim, const uint8_t* codes, const at::Half* scale_min, float* y,
-                        int64_t ldy, const float* bias, int64_t n, int64_t begin, int64_t end) {
-  const int64_t blocks = k_dim / kQuantBlock;
-  int64_t p = begin;
-  for (; p + PANELS <= end; p += PANELS)
-    quant_tile<ROWS, PANELS>(x, k_dim, codes + p * k_dim * kPanel, scale_min + p * blocks * 2 * kPanel,
-                             y + p * kPanel, ldy, bias ? bias + p * kPanel : nullptr, n - p * kPanel);
-  for (; p < end; ++p)
-    quant_tile<ROWS, 1>(x, k_dim, codes + p * k_dim * kPanel, scale_min + p * blocks * 2 * kPanel,
-                        y + p * kPanel, ldy, bias ? bias + p * kPanel : nullptr, n - p * kPanel);
-}
-
-// All rows against panels [begin, end), a few panels at a time so each chunk's codes are read from
-// memory once and stay in L1 for the remaining row tiles.
-static void quant_rows(const float* x, int64_t rows, int64_t k_dim, const uint8_t* codes, const at::Half* scale_min,
-                       float* y, int64_t ldy, const float* bias, int64_t n, int64_t begin, int64_t end) {
-  for (int64_t p0 = begin; p0 < end; p0 += kQuantChains) {
-    const int64_t p1 = std::min(end, p0 + kQuantChains);
-    int64_t m = 0;
-    for (; m + kQuantChains <= rows; m += kQuantChains)
-      quant_tiles<kQuantChains, 1>(x + m * k_dim, k_dim, codes, scale_min, y + m * ldy, ldy, bias, n, p0, p1);
-    const float* xr = x + m * k_dim;
-    float* yr = y + m * ldy;
-    switch (rows - m) {
-      case 3: quant_tiles<3, 1>(xr, k_dim, codes, scale_min, yr, ldy, bias, n, p0, p1); break;
-      case 2: quant_tiles<2, 2>(xr, k_dim, codes, scale_min, yr, ldy, bias, n, p0, p1); break;
-      case 1: quant_tiles<1, 4>(xr, k_dim, codes, scale_min, yr, ldy, bias, n, p0, p1); break;
-      default: break;
-    }
-  }
-}
-
-torch::Tensor linear_quant(torch::Tensor x, torch::Tensor codes, torch::Tensor scale_min,
-                           c10::optional<torch::Tensor> bias, int64_t n) {
+// packed: pack_quant's output. avx512: run the AVX-512 code (only where cpu_has_avx512); the AVX2 code
+// otherwise. Both give the same bits.
+torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n,
+                           bool avx512) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
               "linear_quant: expected a contiguous 2-D fp32 input");
-  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == kPanel && codes.size(1) == x.size(1) &&
-              codes.scalar_type() == torch::kUInt8 && codes.size(0) * kPanel >= n,
-              "linear_quant: packed codes do not match the input or n");
-  TORCH_CHECK(scale_min.dim() == 4 && scale_min.size(0) == codes.size(0) &&
-              scale_min.size(1) * kQuantBlock == x.size(1) && scale_min.size(2) == 2 &&
-              scale_min.size(3) == kPanel && scale_min.scalar_type() == torch::kHalf,
-              "linear_quant: packed scales do not match the codes");
+  const int64_t block_bytes = packed.dim() == 3 ? packed.size(2) : -1;
+  const int64_t bits = block_bytes == quant_block_bytes(4) ? 4 : block_bytes == quant_block_bytes(8) ? 8 : 0;
+  TORCH_CHECK(bits && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+              packed.size(1) * kQuantBlock == x.size(1) && packed.size(0) * kGroupCols >= n &&
+              (packed.size(0) - 1) * kGroupCols < n,
+              "linear_quant: packed weight does not match the input or n");
+  TORCH_CHECK(!avx512 || cpu_has_avx512(), "linear_quant: this CPU has no AVX-512");
   if (bias.has_value())
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == torch::kFloat32,
                 "linear_quant: bias must be contiguous fp32 of size n");
-  const int64_t rows = x.size(0), k_dim = x.size(1), panels = codes.size(0);
+  const int64_t rows = x.size(0), k_dim = x.size(1), panels = (n + kPanel - 1) / kPanel;
   auto out = torch::empty({rows, n}, x.options());
   const float* xp = x.data_ptr<float>();
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const at::Half* sp = scale_min.data_ptr<at::Half>();
+  const uint8_t* data = packed.data_ptr<uint8_t>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = out.data_ptr<float>();
   pybind11::gil_scoped_release no_gil;
   for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock) {
     const int64_t block = std::min(kRowBlock, rows - m0);
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      quant_rows(xp + m0 * k_dim, block, k_dim, cp, sp, yp + m0 * n, n, bp, n, begin, end);
+    const float* xb = xp + m0 * k_dim;
+    float* yb = yp + m0 * n;
+    // threads split whole groups: no two share a cache line of codes
+    at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+      const int64_t p0 = begin * kGroupPanels, p1 = std::min(panels, end * kGroupPanels);
+      if (avx512 && bits == 4) quant_avx512::quant_rows<4>(xb, block, k_dim, data, block_bytes, yb, n, bp, n, p0, p1);
+      else if (avx512) quant_avx512::quant_rows<8>(xb, block, k_dim, data, block_bytes, yb, n, bp, n, p0, p1);
+      else if (bits == 4) quant_avx2::quant_rows<4>(xb, block, k_dim, data, block_bytes, yb, n, bp, n, p0, p1);
+      else quant_avx2::quant_rows<8>(xb, block, k_dim, data, block_bytes, yb, n, bp, n, p0, p1);
     });
   }
   return out;
@@ -296,6 +304,7 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor codes, torch::Tensor s
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "fp32/bf16 [N, K] weight -> [ceil(N/16), K, 16] panels");
   m.def("linear", &linear, "x [M, K] @ panels^T (+ bias) -> [M, N] in the weight's dtype");
-  m.def("pack_quant", &pack_quant, "uint8 codes, fp16 scales and mins -> packed codes and scales");
+  m.def("pack_quant", &pack_quant, "uint8 codes, fp16 scales and mins [N, K/32] -> packed blocks");
   m.def("linear_quant", &linear_quant, "fp32 x [M, K] @ (scale * code + min)^T (+ bias) -> [M, N]");
+  m.def("cpu_has_avx512", &cpu_has_avx512, "whether linear_quant's AVX-512 code runs on this CPU");
 }

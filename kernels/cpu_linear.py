@@ -10,6 +10,12 @@ Why: a batch-1 decode streams every weight once per step. On the 2-core AVX2 dev
 streams fp32 weights at ~31 GB/s against oneDNN's prepacked 14-26 GB/s and MKL's 10-16 GB/s, and stays
 ahead of both up to hundreds of rows (benchmarks/bench_cpu_linear.py).
 
+Block-quant weights (GGUF Q4_0/Q4_1/Q8_0 blocks: uint8 codes, fp16 scale and min per 32 k):
+`pack_quant(codes, scales, mins)` packs them (4-bit codes two per byte) and
+`linear_quant(x, packed, bias, N, avx512)` computes x @ (scale * code + min).T (+ bias), bit for bit
+`linear` over the dequantized fp32 weight. Its AVX-512 code runs where the CPU has AVX-512
+(`quant_avx512()`), unless TREESPEC_CPU_QUANT_ISA=avx2 asks for the AVX2 code (both give the same bits).
+
 Compiled once per machine by `cpu_extension.build`; `load()` returns None, with a logged reason,
 where the CPU lacks AVX2/FMA or the build fails; callers then keep oneDNN or F.linear.
 """
@@ -17,6 +23,7 @@ where the CPU lacks AVX2/FMA or the build fails; callers then keep oneDNN or F.l
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from types import ModuleType
 
@@ -33,9 +40,34 @@ def _probe(module: ModuleType) -> None:
     weight = torch.randn(17, 20)
     got = module.linear(probe, module.pack(weight), None, 17)
     torch.testing.assert_close(got, probe @ weight.T, rtol=1e-4, atol=1e-4)
+    codes = torch.randint(0, 16, (17, 64), dtype=torch.uint8)
+    scales, mins = torch.rand(17, 2).half(), torch.randn(17, 2).half()
+    dense = (codes.view(17, 2, 32).float() * scales.float()[..., None] + mins.float()[..., None]).view(17, 64)
+    want = module.linear(probe.repeat(1, 4)[:, :64].contiguous(), module.pack(dense), None, 17)
+    packed = module.pack_quant(codes, scales, mins)
+    for avx512 in {False, bool(module.cpu_has_avx512())}:
+        got = module.linear_quant(probe.repeat(1, 4)[:, :64].contiguous(), packed, None, 17, avx512)
+        if not torch.equal(got, want):
+            raise RuntimeError(f"linear_quant (avx512={avx512}) differs from linear over the same weight")
 
 
 @functools.cache
 def load() -> ModuleType | None:
     """The compiled extension, or None where it cannot run here. Probed once per process."""
     return build(EXTENSION_NAME, SOURCE, _probe)
+
+
+QUANT_ISA_ENV = "TREESPEC_CPU_QUANT_ISA"  # "avx2": run linear_quant's AVX2 code on an AVX-512 CPU
+
+
+def quant_avx512() -> bool:
+    """Whether `linear_quant` should run its AVX-512 code here: the CPU has it and TREESPEC_CPU_QUANT_ISA
+    does not ask for avx2. Read when a weight is packed (tests pack once per setting)."""
+    isa = os.environ.get(QUANT_ISA_ENV, "").lower()
+    if isa not in ("", "avx2", "avx512"):
+        raise ValueError(f"{QUANT_ISA_ENV} must be avx2 or avx512, got {isa!r}")
+    module = load()
+    has = module is not None and module.cpu_has_avx512()
+    if isa == "avx512" and not has:
+        raise ValueError(f"{QUANT_ISA_ENV}=avx512 but this CPU (or build) has no AVX-512")
+    return has and isa != "avx2"

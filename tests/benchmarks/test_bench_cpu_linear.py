@@ -18,12 +18,15 @@ from bench_loader import load_benchmark  # noqa: E402
 
 @pytest.mark.skipif(cpu_linear.load() is None, reason="CPU matmul kernel unavailable")
 @pytest.mark.parametrize("rows", [1, 5])
-def test_random_block_quant_packs_as_codes(rows: int) -> None:
+@pytest.mark.parametrize("bits", [4, 8])
+def test_random_block_quant_packs_as_codes(rows: int, bits: int) -> None:
     bench = load_benchmark("bench_cpu_linear")
     gen = torch.Generator().manual_seed(1)
-    quant = bench.random_block_quant(96, 576, gen)
+    quant = bench.random_block_quant(96, 576, gen, bits)
+    assert int(quant.codes.max()) < 2**bits
     dense = quant.dequantize()
     packed = pack_weight(dense, "panel", quant)
     assert packed.layout == "panel_quant"
+    assert packed.data.numel() == 96 * 576 * (bits + 1) // 8  # codes plus 4 bytes of scale and min per 32
     x = torch.randn(rows, 576, generator=gen)
     assert torch.equal(packed_linear(x, packed, None), packed_linear(x, pack_weight(dense, "panel"), None))

@@ -9,9 +9,11 @@ layouts, chosen once per (device, dtype):
   every fp32 value is a bf16 one: exact, half the bytes), and for bf16 where oneDNN cannot pack bf16: 16-column panels streamed at ~25-31 GB/s on the 2-core dev machine, and
   batch-invariant (a verify row equals a decode row bit for bit). Per-step matmul time of the
   default model there in fp32: 22 ms vs oneDNN's 30 ms at 1 row, 32 vs 43 ms at 8 rows.
-- "panel_quant": the same panels over 32-block quant codes (uint8 codes, fp16 scales and mins;
+- "panel_quant": groups of two panels over 32-block quant codes (4-bit codes two per byte or 8-bit
+  codes, fp16 scales and mins;
   models/block_quant.py) where the fp32 weight came from a GGUF Q4_0/Q4_1/Q8_0 tensor and its blocks
-  reproduce it exactly: bit-identical results, ~1.06 bytes streamed per weight instead of 4.
+  reproduce it exactly: bit-identical results, 0.625 (Q4) or 1.125 (Q8) bytes streamed per weight
+  instead of 4; AVX-512 or AVX2 code chosen at pack time (kernels/cpu_linear.py's quant_avx512).
 - "onednn": oneDNN's blocked layout (`torch.ops.mkldnn`), for bf16 where oneDNN packs it (AVX512 or
   AVX-NE-CONVERT: native bf16 dot products, which matter for prefill) and for fp32 where our kernel
   cannot build.
@@ -42,7 +44,7 @@ class PackedWeight:
     data: torch.Tensor
     out_features: int
     layout: str  # "panel", "panel_quant" or "onednn"
-    scale_min: torch.Tensor | None = None  # "panel_quant": the blocks' packed fp16 scales and mins
+    avx512: bool = False  # "panel_quant": run the kernel's AVX-512 code (chosen at pack time)
 
 
 def packing_layout(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -87,8 +89,8 @@ def pack_weight(weight: torch.Tensor, layout: str | None = None, block_quant: Bl
     (models/block_quant.py): same results, ~4x fewer bytes streamed."""
     layout = layout or packing_layout(weight.device, weight.dtype)
     if layout == "panel" and block_quant is not None and block_quant.reproduces(weight):
-        codes, scale_min = cpu_linear.load().pack_quant(block_quant.codes, block_quant.scales, block_quant.mins)
-        return PackedWeight(codes, weight.shape[0], "panel_quant", scale_min)
+        blocks = cpu_linear.load().pack_quant(block_quant.codes, block_quant.scales, block_quant.mins)
+        return PackedWeight(blocks, weight.shape[0], "panel_quant", cpu_linear.quant_avx512())
     if layout == "panel":
         dense = weight.detach().contiguous()
         if dense.dtype == torch.float32 and torch.equal(dense, dense.bfloat16().float()):
@@ -111,7 +113,7 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     if packed.layout == "panel":
         out = cpu_linear.load().linear(rows, packed.data, bias, packed.out_features)
     elif packed.layout == "panel_quant":
-        out = cpu_linear.load().linear_quant(rows, packed.data, packed.scale_min, bias, packed.out_features)
+        out = cpu_linear.load().linear_quant(rows, packed.data, bias, packed.out_features, packed.avx512)
     else:
         out = torch.ops.mkldnn._linear_pointwise(rows, packed.data, bias, "none", [], "")
     return out if flat else out.view(*x.shape[:-1], packed.out_features)
