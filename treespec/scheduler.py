@@ -354,6 +354,8 @@ class Scheduler:
     def _run_decode(self) -> list[RequestOutput]:
         self._make_room_for_decode(len(self.running))
         shape = self._spec_step_shape() if self.spec_worker is not None else PLAIN_STEP
+        if shape.num_steps and not self.spec_worker.wants_drafts(self.running):
+            shape = PLAIN_STEP  # no request has drafts worth a verify this step: a plain step is cheaper
         if shape.num_steps:
             return self._run_spec_decode(shape)
         reqs = self.running

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-HEAD_MIN_ACCEPT = 0.3  # accepted head drafts per step (moving average) to keep drafting with the head
+# Accepted head drafts per step (moving average) to keep drafting with the head. On two Zen 4 cores a
+# verify of 3 nodes costs ~1.7 plain steps and the two draft forwards ~0.2 more (bench_cpu_linear,
+# bench_step_cost), so below ~1 accepted draft per step the head's drafts lose time.
+HEAD_MIN_ACCEPT = 1.0
 HEAD_PROBE_EVERY = 8  # steps without head drafts before one probe
 HEAD_EMA_WEIGHT = 0.2  # weight of the newest step in the moving average
 HYBRID_GROWTH = 4  # a request's n-gram budget ranges from MIN_BUDGET to HYBRID_GROWTH x the flag

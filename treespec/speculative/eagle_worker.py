@@ -172,9 +172,20 @@ class EagleWorker:
         positions, slots = batch.positions.tolist(), batch.out_cache_loc.tolist()
         for i, req in enumerate(reqs):
             self.draft_states.pop(req.rid, None)  # stale until the catch-up
+            # a plain step counts toward the next probe of a request whose head drafts were turned off
+            self.head_records[req.rid] = self.head_records.get(req.rid, HeadRecord()).after_step(False, 0)
             self.deferred.setdefault(req.rid, []).append(DeferredRow(positions[i], slots[i], tokens[i], feats[i]))
         behind = [r for r in reqs if not r.finished and len(self.deferred[r.rid]) >= MAX_DRAFT_LAG]
         self.catch_up(behind)
+
+    def wants_drafts(self, reqs: list[Req]) -> bool:
+        """Whether any request's drafts are worth a verify this step: its head drafts (by its measured
+        acceptance, adaptivity.HeadRecord) or a usable n-gram match. Else the Scheduler runs a plain
+        step, and this worker defers the draft's work as for any plain step."""
+        if any(self.head_records.get(r.rid, HeadRecord()).drafts for r in reqs):
+            return True
+        return self.ngram is not None and any(
+            d.match_length >= HYBRID_MIN_MATCH and bool(d.tokens) for d in self._ngram_drafts(reqs))
 
     def catch_up(self, reqs: list[Req]) -> None:
         """Run the deferred draft extends of `reqs` in one draft forward; each still-running request gets

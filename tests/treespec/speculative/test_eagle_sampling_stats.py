@@ -27,6 +27,15 @@ SETTINGS = [  # (algorithm, (steps, topk, draft tokens), sampling params); NGRAM
 HYBRID_TOKENS = 5
 
 
+@pytest.fixture(autouse=True)
+def head_drafts_every_step(monkeypatch):
+    """Every step speculates (per-request adaptivity would turn plain steps on for low-acceptance
+    settings): the checks below are about the tree sampler."""
+    from treespec.speculative import adaptivity
+
+    monkeypatch.setattr(adaptivity, "HEAD_MIN_ACCEPT", 0.0)
+
+
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("eagle_stats")
