@@ -385,11 +385,7 @@ class Scheduler:
 
     def _end_decode_step(self, reqs: list[Req]) -> list[RequestOutput]:
         jumped = self._jump_forward(reqs) if self.args.enable_jump_forward else set()
-        outputs = []
-        for req in reqs:
-            if req.finished:
-                self._finish(req)
-            outputs.append(req.take_output())
+        outputs = self._finish_and_take_outputs(reqs)
         self.running = [r for r in reqs if not r.finished and id(r) not in jumped]
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return outputs
@@ -481,6 +477,10 @@ class Scheduler:
     def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> list[RequestOutput]:
         tokens, logprob_info = sample_next_tokens(reqs, logits)
         self._append_sampled(reqs, tokens, logprob_info)
+        return self._finish_and_take_outputs(reqs)
+
+    def _finish_and_take_outputs(self, reqs: list[Req]) -> list[RequestOutput]:
+        """Release the requests a step finished; every request's new tokens as its output."""
         outputs = []
         for req in reqs:
             if req.finished:
