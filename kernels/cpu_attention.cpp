@@ -212,7 +212,9 @@ void rope_store(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tenso
   }
 }
 
+#ifndef TREESPEC_NO_MODULE  // compiled into cpu_layers.cpp's extension without its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_store", &rope_store, "rotate q in place, write rotated k and v to the KV pool (fp32)");
   m.def("attention", &attention, "paged attention for few query rows per request (fp32)");
 }
+#endif

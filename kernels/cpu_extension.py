@@ -46,9 +46,11 @@ def clear_stale_build_lock(name: str, max_age_s: float = STALE_LOCK_SECONDS) -> 
     return True
 
 
-def build(name: str, source: Path, probe: Callable[[ModuleType], None]) -> ModuleType | None:
-    """The compiled extension `name` from `source`, or None where it cannot run here. `probe(module)`
-    raises if the build computes wrong results."""
+def build(name: str, source: Path, probe: Callable[[ModuleType], None], extra_sources: tuple[Path, ...] = (),
+          defines: tuple[str, ...] = ()) -> ModuleType | None:
+    """The compiled extension `name` from `source` (and `extra_sources`, compiled with `-D` each of
+    `defines`), or None where it cannot run here. `probe(module)` raises if the build computes wrong
+    results."""
     if not cpu_supports_avx2():
         logger.info("%s off: this CPU has no AVX2/FMA", name)
         return None
@@ -61,8 +63,8 @@ def build(name: str, source: Path, probe: Callable[[ModuleType], None]) -> Modul
         # torch already loaded, so the kernel shares torch's thread pool and thread count.
         # torch rebuilds when the source or the flags change; the headers' hash rides in a flag
         header_hash = hashlib.sha1(b"".join(h.read_bytes() for h in sorted(KERNEL_DIR.glob("*.h")))).hexdigest()[:12]
-        module = load(name, [str(source)], extra_cflags=[*CFLAGS, f"-DTREESPEC_MATH_H={header_hash}"],
-                      verbose=False)
+        flags = [*CFLAGS, f"-DTREESPEC_MATH_H={header_hash}", *(f"-D{d}" for d in defines)]
+        module = load(name, [str(source), *map(str, extra_sources)], extra_cflags=flags, verbose=False)
         probe(module)
     except Exception as err:  # no compiler, no ninja, a broken build: fall back, say why
         logger.warning("%s unavailable (%s: %s); using the torch path", name, type(err).__name__, err)

@@ -301,6 +301,7 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, c10::optional<
   return out;
 }
 
+#ifndef TREESPEC_NO_MODULE  // compiled into cpu_layers.cpp's extension without its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "fp32/bf16 [N, K] weight -> [ceil(N/16), K, 16] panels");
   m.def("linear", &linear, "x [M, K] @ panels^T (+ bias) -> [M, N] in the weight's dtype");
@@ -308,3 +309,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_quant", &linear_quant, "fp32 x [M, K] @ (scale * code + min)^T (+ bias) -> [M, N]");
   m.def("cpu_has_avx512", &cpu_has_avx512, "whether linear_quant's AVX-512 code runs on this CPU");
 }
+#endif

@@ -117,8 +117,10 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+#ifndef TREESPEC_NO_MODULE  // compiled into cpu_layers.cpp's extension without its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "fp32 [M, D] -> x * rsqrt(mean(x^2) + eps) * weight, per row");
   m.def("add_rms_norm", &add_rms_norm, "(x + residual, rms_norm(x + residual)) for fp32 [M, D]");
   m.def("silu_mul", &silu_mul, "fp32 [M, 2I] -> silu(x[:, :I]) * x[:, I:]");
 }
+#endif

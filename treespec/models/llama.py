@@ -10,6 +10,7 @@ from torch import nn
 from treespec.forward_batch import ForwardBatch, ForwardContext, ModelOutput
 from treespec.models.block_quant import BlockQuant, fuse_llama_block_quant
 from treespec.models.config import ModelConfig
+from treespec.models.layer_stack import LayerStack
 from treespec.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope, use_cpu_kernels
 from treespec.models.packed_linear import PackedWeight, head_logits, pack_linears, pack_weight, packing_layout
 
@@ -85,6 +86,7 @@ class LlamaForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.packed_lm_head: PackedWeight | None = None
+        self.layer_stack: LayerStack | None = None  # every layer in one C++ call, set by pack_for_inference
 
     def pack_for_inference(self, device: torch.device, dtype: torch.dtype,
                            block_quants: dict[str, BlockQuant] | None = None) -> bool:
@@ -97,6 +99,7 @@ class LlamaForCausalLM(nn.Module):
         pack_linears(self.layers, device, dtype, fused)
         self.packed_lm_head = pack_weight(self.lm_head_weight, block_quant=fused.get("lm_head"))
         use_cpu_kernels(self)
+        self.layer_stack = LayerStack.for_model(self.layers, dtype)
         return True
 
     @property
@@ -106,11 +109,14 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, ctx: ForwardContext, return_all_hidden: bool = False) -> ModelOutput:
         h = self.embed_tokens(batch.input_ids)
         cos, sin = self.rotary(batch.positions, h.dtype)
-        aux = []
-        for i, layer in enumerate(self.layers):
-            if i in batch.capture_layers:
-                aux.append(h)
-            h = layer.forward(h, cos, sin, batch, ctx)
+        if self.layer_stack is not None and self.layer_stack.applies(h, ctx):
+            h, aux = self.layer_stack.forward(h, cos, sin, batch, ctx, batch.capture_layers)
+        else:
+            aux = []
+            for i, layer in enumerate(self.layers):
+                if i in batch.capture_layers:
+                    aux.append(h)
+                h = layer.forward(h, cos, sin, batch, ctx)
         h = self.norm.forward(h)
         rows = h if batch.logits_indices is None else h[batch.logits_indices]
         logits = head_logits(rows, self.lm_head_weight, self.packed_lm_head)
