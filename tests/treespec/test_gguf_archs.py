@@ -36,14 +36,24 @@ def prefill_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
     return runner.forward(batch).logits
 
 
+def with_rope_theta(hf_dir: Path, theta: float) -> Path:
+    """Give the model a rope base other than the default, so a file whose base were not read would fail."""
+    path = hf_dir / "config.json"
+    config = json.loads(path.read_text())
+    config["rope_parameters"]["rope_theta"] = theta
+    path.write_text(json.dumps(config))
+    return hf_dir
+
+
 @pytest.mark.parametrize("arch,quant", [("qwen2", "F32"), ("qwen2", "Q8_0"), ("qwen3", "F32"), ("llama", "F32")])
 def test_gguf_loads_and_matches_its_hf_twin(arch, quant, tmp_path):
-    hf_dir = make_tiny_model(arch, tmp_path / "hf")
+    hf_dir = with_rope_theta(make_tiny_model(arch, tmp_path / "hf"), 1_000_000.0)
     twin = hf_dir if quant == "F32" else quantized_twin(hf_dir, tmp_path / "twin", quant)
     converted = resolve_model_path(str(write_gguf(hf_dir, tmp_path / f"tiny-{arch}.gguf", arch, quant)))
     got_cfg = json.loads((converted / "config.json").read_text())
     want_cfg = json.loads((hf_dir / "config.json").read_text())
     assert got_cfg["architectures"] == want_cfg["architectures"]
+    assert got_cfg["rope_theta"] == 1_000_000.0
     for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "tie_word_embeddings"):
         assert got_cfg[key] == want_cfg[key], key
     assert got_cfg["head_dim"] == (want_cfg.get("head_dim") or want_cfg["hidden_size"] // want_cfg["num_attention_heads"])
