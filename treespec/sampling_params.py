@@ -141,5 +141,10 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
     @property
+    def seeded(self) -> bool:
+        """Sampling with the client's own seed: the client expects the same output for the same input."""
+        return self.seed is not None and not self.greedy
+
+    @property
     def has_penalties(self) -> bool:
         return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1

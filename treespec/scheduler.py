@@ -47,6 +47,13 @@ if TYPE_CHECKING:
     from treespec.speculative.step_result import SpecStepResult, SpecWorker
 
 
+def _retraction_order(req: Req) -> tuple:
+    """Which running request to retract first: unseeded before seeded (a seeded request resumes by a
+    prefill, which draws its next token differently from the step it would have had), then the one
+    with the least progress (its recompute is cheapest)."""
+    return (req.sampling_params.seeded, len(req.output_ids), -len(req.origin_input_ids))
+
+
 class Scheduler:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
@@ -93,7 +100,7 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness
         self.stats = {"num_retractions": 0, "prompt_tokens": 0, "cached_tokens": 0,
                       "generated_tokens": 0, "num_finished": 0, "prefill_tokens": 0,
-                      "spec_verify_ct": 0, "spec_emitted_tokens": 0, "spec_shrunk_steps": 0,
+                      "spec_verify_ct": 0, "spec_emitted_tokens": 0, "spec_shrunk_steps": 0, "spec_retracted_for_shape": 0,
                       "jump_forward_tokens": 0}
         # the one accept counter: tokens committed per request per verify step (stats above pool it)
         self.spec_accept_histogram: Counter[int] = Counter()
@@ -354,7 +361,7 @@ class Scheduler:
     def _run_decode(self) -> list[RequestOutput]:
         self._make_room_for_decode(len(self.running))
         shape = self._spec_step_shape() if self.spec_worker is not None else PLAIN_STEP
-        if shape.num_steps and not self.spec_worker.wants_drafts(self.running):
+        if shape.num_steps and not self._keep_spec_shape() and not self.spec_worker.wants_drafts(self.running):
             shape = PLAIN_STEP  # no request has drafts worth a verify this step: a plain step is cheaper
         if shape.num_steps:
             return self._run_spec_decode(shape)
@@ -412,6 +419,12 @@ class Scheduler:
                 jumped.add(id(req))
         return jumped
 
+    def _keep_spec_shape(self) -> bool:
+        """Under a pinned shape, a seeded sampling request keeps speculative steps even when no request has
+        drafts worth a verify: whether its step is plain or a root-only verify would otherwise depend on
+        the other requests' drafts, and the two draw its random numbers differently."""
+        return self.spec_worker.schedule.pinned and any(r.sampling_params.seeded for r in self.running)
+
     def _spec_step_shape(self) -> SpecShape:
         """The tree shape of this step, sized against the free KV slots (the only place that does):
         the schedule's tree for this batch size if evicting cached prefixes gets there, else the longest
@@ -426,6 +439,17 @@ class Scheduler:
         free = self.allocator.available_size()
         if bs * shape.slots_per_request <= free:
             return shape
+        if self.spec_worker.schedule.pinned and any(r.sampling_params.seeded for r in self.running):
+            # A seeded request's draws follow its tree's shape, so under a pinned shape its output must
+            # not depend on how full the pool is: make room for the full tree by retracting others
+            # (unseeded first: _retraction_order) rather than shrink.
+            while len(self.running) > 1 and len(self.running) * shape.slots_per_request > free:
+                self._retract(min(self.running, key=_retraction_order))
+                self.stats["spec_retracted_for_shape"] += 1
+                free = self.allocator.available_size()
+            bs = len(self.running)
+            if bs * shape.slots_per_request <= free:
+                return shape
         self.stats["spec_shrunk_steps"] += 1
         steps = max(0, min(shape.num_steps, free // bs - 1))
         return SpecShape(steps, 1, steps + 1) if steps else PLAIN_STEP
@@ -462,16 +486,19 @@ class Scheduler:
         while not self._alloc_ready(need):
             if len(self.running) <= 1:
                 raise RuntimeError("KV pool too small for even one running request")
-            # retract the request that has made the least progress (its recompute is cheapest)
-            victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
-            self.running.remove(victim)
-            self._release(victim)
-            victim.kv_len = 0
-            victim.num_retractions += 1
-            self.stats["num_retractions"] += 1
-            self.waiting.appendleft(victim)
+            self._retract(min(self.running, key=_retraction_order))
             need -= 1
-            self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
+
+    def _retract(self, victim: Req) -> None:
+        """Take a running request off the batch and back to the queue; it resumes by a prefill of its
+        sequence (mostly a cache hit), its outputs and sampling state kept."""
+        self.running.remove(victim)
+        self._release(victim)
+        victim.kv_len = 0
+        victim.num_retractions += 1
+        self.stats["num_retractions"] += 1
+        self.waiting.appendleft(victim)
+        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
 
     # ------------------------------------------------------------------ sampling and finishing
     def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> list[RequestOutput]:

@@ -55,6 +55,11 @@ def validate_shape(steps: int, topk: int, ndraft: int, where: str) -> None:
 class SpecSchedule:
     entries: list[tuple[int | None, SpecShape]]  # (max batch size or None = any, shape)
 
+    @property
+    def pinned(self) -> bool:
+        """One shape for every batch size (the shape flags, or a one-entry config)."""
+        return len(self.entries) == 1
+
     @classmethod
     def constant(cls, steps: int, topk: int, ndraft: int) -> SpecSchedule:
         return cls([(None, SpecShape(steps, topk, ndraft))])

@@ -91,10 +91,25 @@ def verify_tree_mixed(reqs: list[Req], logits: torch.Tensor, tree: DraftTree
     final_coins = torch.zeros(bs)
     for b, req in enumerate(reqs):
         if not req.sampling_params.greedy:
-            draw = torch.rand(n + 1, generator=req.generator)
-            coins[b], final_coins[b] = draw[:n], draw[n]
+            # a seeded request draws for its own nodes only: the batch's padding (other requests' larger
+            # trees) must not move its random stream
+            count = reachable_extent(tree, b) if req.sampling_params.seeded else n
+            draw = torch.rand(count + 1, generator=req.generator)
+            coins[b, :count], final_coins[b] = draw[:count], draw[count]
     return tree_speculative_sampling_target_only(*args, coins.to(device), final_coins.to(device), probs,
                                                  tree.max_depth)
+
+
+def reachable_extent(tree: DraftTree, b: int) -> int:
+    """1 + the largest node index of request b's tree reachable from its root: the nodes tree sampling
+    can visit (padding is not linked in)."""
+    next_token, next_sibling = tree.retrive_next_token[b].tolist(), tree.retrive_next_sibling[b].tolist()
+    stack, top = [0], 0
+    while stack:
+        node = stack.pop()
+        top = max(top, node)
+        stack += [j for j in (next_token[node], next_sibling[node]) if j >= 0]
+    return top + 1
 
 
 def token_logprobs(req: Req, logits: torch.Tensor, tokens: list[int]) -> list[tuple[float, list]]:
