@@ -90,8 +90,9 @@ def test_speculators_head_loads_and_computes(tmp_path, target, nbr) -> None:
 def test_two_layer_head_with_fc_bias_loads_and_computes(tmp_path, target, fmt) -> None:
     state = head_state(2, fc_bias=True, seed=1)
     if fmt == "flat":
+        # vLLM's flat layout: top-level aux ids, the inputs of the captured layers
         config = draft_config("LlamaForCausalLMEagle3", VOCAB, INTER, num_hidden_layers=2, draft_vocab_size=DRAFT_VOCAB,
-                              eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]})
+                              eagle_aux_hidden_state_layer_ids=[1, 2, 3])
     else:
         config = speculators_config(VOCAB, INTER, DRAFT_VOCAB, layers=2, norm_before_residual=False)
     runner = DraftRunner(str(write_checkpoint(tmp_path / fmt, config, state)), "EAGLE3", target)
