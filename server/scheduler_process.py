@@ -177,7 +177,7 @@ def run_scheduler_process(args: ServerArgs, names: IpcNames, ready: Connection) 
 
         try:
             scheduler = Scheduler(args)
-        except (ArgError, ModelPathError) as e:  # a bad --model-path / --device: the message names it
+        except (ArgError, ModelPathError) as e:  # a bad --model-path / --device / draft head: the message names it
             ready.send({"status": "error", "message": str(e), "user_error": True})
             return
         scheduler.tokenizer = load_tokenizer(args.tokenizer_path or scheduler.model_dir)

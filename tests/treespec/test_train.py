@@ -195,8 +195,8 @@ def test_cli_trains_a_head_further_on_conversations_it_has_not_seen(setup, tmp_p
         train_main([*common, "--skip-conversations", "40", "--checkpoint-dir", str(tmp_path / "ck3")])
 
 
-@pytest.mark.parametrize("algorithm", ["EAGLE3", "EAGLE"])
-def test_unrolled_training_forward_matches_the_inference_drafter(setup, algorithm: str) -> None:
+@pytest.mark.parametrize("variant", ["EAGLE3", "EAGLE3-norm_before_residual", "EAGLE"])
+def test_unrolled_training_forward_matches_the_inference_drafter(setup, variant: str) -> None:
     """Step 0 = draft extend; step j = the j-th draft decode step of the chain (prefix + ancestors)."""
     from treespec.attention.metadata import build_metadata
     from treespec.attention.torch_backend import TorchAttnBackend
@@ -207,8 +207,11 @@ def test_unrolled_training_forward_matches_the_inference_drafter(setup, algorith
 
     target = load_target(setup["target"], 256)
     cfg = target.config
+    algorithm = variant.split("-")[0]
     head = create_draft_model(algorithm, cfg, 256, draft_vocab_ids=torch.arange(0, 256, 2) if algorithm == "EAGLE3"
                               else None, init_std=0.1).eval()
+    if variant.endswith("norm_before_residual"):  # a speculators head trained further: the residual after the norm
+        head.midlayer.norm_before_residual = True
     head.set_target_weights(target.embed_tokens.weight, target.lm_head_weight)
     gen = torch.Generator().manual_seed(1)
     t, steps = 10, 3

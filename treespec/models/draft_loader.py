@@ -9,16 +9,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from treespec.model_loader import load_config, load_hf_weights
+from treespec.model_loader import load_hf_weights
 from treespec.models.config import ModelConfig
+from treespec.models.draft_config import FLAG, DraftHeadError, read_draft_config
 from treespec.models.draft_weights import WeightReader
-from treespec.models.eagle import ARCHITECTURE as EAGLE_ARCHITECTURE
 from treespec.models.eagle import EagleDraftModel
-from treespec.models.eagle3 import ARCHITECTURES as EAGLE3_ARCHITECTURES
 from treespec.models.eagle3 import Eagle3DraftModel
 
 DraftModel = EagleDraftModel | Eagle3DraftModel
-DRAFT_ARCHITECTURES = {EAGLE_ARCHITECTURE: "EAGLE", **{a: "EAGLE3" for a in EAGLE3_ARCHITECTURES}}
 DRAFT_CLASSES = {"EAGLE": EagleDraftModel, "EAGLE3": Eagle3DraftModel}
 
 
@@ -28,27 +26,22 @@ def draft_model_config(hf_config: dict) -> ModelConfig:
 
 
 def load_draft_model(path: str | Path, algorithm: str, max_positions: int) -> DraftModel:
-    """Read a draft head folder. `algorithm` (EAGLE | EAGLE3) must agree with config.json's
-    architectures when they name a draft architecture; a plain `LlamaForCausalLM` config (SafeAILab's
-    training exports) is read as the layout of `algorithm`."""
+    """Read a draft head folder in any format draft_config.py reads. `algorithm` (EAGLE | EAGLE3) must
+    agree with config.json's architectures when they name a draft architecture; a plain
+    `LlamaForCausalLM` config (SafeAILab's training exports) is read as the layout of `algorithm`.
+    An unusable head raises DraftHeadError naming the flag, the folder and the problem."""
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"--speculative-draft-model-path {str(path)!r} has no config.json")
-    hf = load_config(path)
-    archs = hf.get("architectures") or []
-    named = {DRAFT_ARCHITECTURES[a] for a in archs if a in DRAFT_ARCHITECTURES}
-    if named and algorithm not in named:
-        raise ValueError(f"--speculative-algorithm {algorithm} does not match the draft checkpoint "
-                         f"{str(path)!r}, whose architectures are {archs}")
-    if not named and "LlamaForCausalLM" not in archs:
-        raise ValueError(f"draft checkpoint {str(path)!r}: unsupported architectures {archs}; expected one of "
-                         f"{sorted(DRAFT_ARCHITECTURES)}")
-    state = load_hf_weights(path)
-    aliases = {}
-    if algorithm == "EAGLE3" and not any(k.removeprefix("model.").startswith("midlayer.") for k in state):
-        aliases = {"layers.0.": "midlayer."}  # speculators-style export
-    cls = DRAFT_CLASSES[algorithm]
-    return cls.from_checkpoint(draft_model_config(hf), hf, WeightReader(state, aliases), max_positions)
+    hf = read_draft_config(path, algorithm)
+    try:
+        cfg = draft_model_config(hf)
+        reader = WeightReader(load_hf_weights(path))
+        return DRAFT_CLASSES[algorithm].from_checkpoint(cfg, hf, reader, max_positions)
+    except DraftHeadError:
+        raise
+    except KeyError as e:
+        raise DraftHeadError(f"{FLAG} {str(path)!r}: config.json lacks {e}") from None
+    except ValueError as e:
+        raise DraftHeadError(f"{FLAG} {str(path)!r}: {e}") from None
 
 
 def load_token_map(path: str | Path, vocab_size: int) -> torch.Tensor:

@@ -29,16 +29,12 @@ class WeightPutter:
 
 
 class WeightReader:
-    """A checkpoint's tensors by their published names (a leading `model.` is dropped)."""
+    """A checkpoint's tensors by their published names (a leading `model.` is dropped). Remembers which
+    it handed out, so a tensor the head has no place for is an error, not silently dropped."""
 
-    def __init__(self, state: dict[str, torch.Tensor], aliases: dict[str, str] | None = None) -> None:
-        self.state: dict[str, torch.Tensor] = {}
-        for name, value in state.items():
-            name = name.removeprefix("model.")
-            for old, new in (aliases or {}).items():
-                if name.startswith(old):
-                    name = new + name[len(old):]
-            self.state[name] = value
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self.state = {name.removeprefix("model."): value for name, value in state.items()}
+        self.used: set[str] = set()
 
     def has(self, name: str) -> bool:
         return name in self.state
@@ -46,16 +42,48 @@ class WeightReader:
     def get(self, name: str) -> torch.Tensor:
         if name not in self.state:
             raise ValueError(f"draft checkpoint is missing weight {name!r}")
+        self.used.add(name)
         return self.state[name]
 
     def putter(self, params: dict[str, nn.Parameter]) -> WeightPutter:
         return WeightPutter(params)
+
+    def check_all_used(self, ignored: Callable[[str], bool]) -> None:
+        """Every tensor was read, or is one the head's format may carry without use (`ignored`)."""
+        unused = sorted(n for n in self.state if n not in self.used and not ignored(n))
+        if unused:
+            raise ValueError(f"draft checkpoint has weights this head does not use: {unused[:5]} (check "
+                             f"num_hidden_layers and the layer names)")
 
     @staticmethod
     def check_all_loaded(params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         missing = set(params) - loaded
         if missing:
             raise ValueError(f"draft weights not loaded: {sorted(missing)[:5]}")
+
+
+def draft_to_target_ids(d2t: torch.Tensor, draft_vocab_size: int, vocab_size: int) -> torch.Tensor:
+    """The target id of every draft id from a published `d2t` (target id = draft id + d2t[draft id]),
+    checked: one entry per draft id, integers, each in [0, vocab_size), no two the same. Two draft ids
+    on one target id would give that token two draft probabilities and break lossless sampling."""
+    if d2t.dtype.is_floating_point or d2t.dtype.is_complex or d2t.dtype == torch.bool:
+        raise ValueError(f"d2t must hold integer offsets, got {d2t.dtype}")
+    if tuple(d2t.shape) != (draft_vocab_size,):
+        raise ValueError(f"d2t has shape {tuple(d2t.shape)}; expected ({draft_vocab_size},) (draft_vocab_size)")
+    targets = d2t.to(torch.int64) + torch.arange(draft_vocab_size)
+    bad = ((targets < 0) | (targets >= vocab_size)).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(f"d2t maps draft id {i} to target id {int(targets[i])}, outside the target "
+                         f"vocabulary [0, {vocab_size})")
+    order = targets.argsort(stable=True)
+    same = (targets[order[1:]] == targets[order[:-1]]).nonzero()
+    if same.numel():
+        j = int(same[0])
+        a, b = sorted((int(order[j]), int(order[j + 1])))
+        raise ValueError(f"d2t maps draft ids {a} and {b} to the same target id {int(targets[a])}; each draft "
+                         f"id needs its own target id (lossless sampling needs a one-to-one map)")
+    return targets
 
 
 def fused_layer_weights(

@@ -19,12 +19,11 @@ from torch import nn
 
 from treespec.forward_batch import ForwardBatch, ForwardContext, ModelOutput
 from treespec.models.config import ModelConfig
+from treespec.models.draft_config import EAGLE_ARCHITECTURE as ARCHITECTURE
 from treespec.models.draft_weights import WeightReader, fused_layer_weights, split_layer_weights
 from treespec.models.layers import RotaryEmbedding
 from treespec.models.llama import DecoderLayer
 from treespec.models.packed_linear import PackedWeight, head_logits
-
-ARCHITECTURE = "LlamaForCausalLMEagle"
 
 
 class EagleDraftModel(nn.Module):
@@ -104,6 +103,7 @@ class EagleDraftModel(nn.Module):
             model.lm_head_weight = nn.Parameter(reader.get("lm_head.weight"), requires_grad=False)
             model.own_lm_head = True
         reader.check_all_loaded(own, put.loaded)
+        reader.check_all_used(lambda name: name.endswith("rotary_emb.inv_freq"))  # old exports' RoPE buffers
         return model
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ from treespec.attention.select import create_attn_backend
 from treespec.forward_batch import ForwardBatch, ForwardContext, ForwardMode, ModelOutput
 from treespec.mem.kv_pool import KVPool
 from treespec.model_runner import ModelRunner
+from treespec.models.draft_config import DraftHeadError
 from treespec.models.draft_loader import DraftModel, load_draft_model, load_token_map
 from treespec.models.layers import use_cpu_kernels
 from treespec.models.packed_linear import pack_linears, pack_weight
@@ -24,13 +25,18 @@ class DraftRunner:
         self.context_len = target.context_len
         model = load_draft_model(draft_path, algorithm, target.context_len)
         tcfg, dcfg = target.config, model.config
+        where = f"--speculative-draft-model-path {draft_path!r}"
         if dcfg.vocab_size != tcfg.vocab_size:
-            raise ValueError(f"draft head vocab_size {dcfg.vocab_size} != target vocab_size {tcfg.vocab_size}")
+            raise DraftHeadError(f"{where}: draft head vocab_size {dcfg.vocab_size} != target vocab_size "
+                                 f"{tcfg.vocab_size}")
         if model.algorithm == "EAGLE" and dcfg.hidden_size != tcfg.hidden_size:
-            raise ValueError(f"EAGLE head hidden_size {dcfg.hidden_size} != target hidden_size {tcfg.hidden_size}")
-        if model.algorithm == "EAGLE3" and model.target_hidden_size != tcfg.hidden_size:
-            raise ValueError(f"EAGLE-3 head expects target hidden size {model.target_hidden_size}, "
-                             f"the target has {tcfg.hidden_size}")
+            raise DraftHeadError(f"{where}: EAGLE head hidden_size {dcfg.hidden_size} != target hidden_size "
+                                 f"{tcfg.hidden_size}")
+        if model.algorithm == "EAGLE3":
+            if model.target_hidden_size != tcfg.hidden_size:
+                raise DraftHeadError(f"{where}: EAGLE-3 head expects target hidden size {model.target_hidden_size}, "
+                                     f"the target has {tcfg.hidden_size}")
+            model.capture_layers(tcfg.num_layers)  # the head's captured layers exist in this target
         self.model: DraftModel = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.rotary.to(self.device)
         # shared with the target when the dtypes agree, else a cast copy

@@ -30,7 +30,8 @@ def _step_input(model, emb: torch.Tensor, hidden: torch.Tensor, step: int) -> tu
         if step == 0:
             hidden = model.fc(hidden)
         layer = model.midlayer
-        return torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1), hidden
+        normed = layer.hidden_norm(hidden)
+        return torch.cat([layer.input_layernorm(emb), normed], dim=-1), normed if layer.norm_before_residual else hidden
     h = model.fc(torch.cat([emb, hidden], dim=-1))
     return model.layers[0].input_layernorm(h), h  # layer 0's input norm is the identity
 
@@ -39,7 +40,8 @@ def unroll(model, embed: torch.Tensor, ids: torch.Tensor, feats: torch.Tensor, s
     """ids [B, T] (right-padded), feats [B, T, F] target features at each position. Returns per step j
     the output hidden states [B, T, H] of the chains starting at every position (rows past T-j-2 are
     meaningless: their inputs run off the sequence; callers mask them)."""
-    if len(getattr(model, "layers", [0])) != 1:
+    depth = 1 + len(model.later_layers) if isinstance(model, Eagle3DraftModel) else len(model.layers)
+    if depth != 1:
         raise ValueError("training supports one-layer draft heads")
     b, t = ids.shape
     layer = _layer_parts(model)

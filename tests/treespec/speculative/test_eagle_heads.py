@@ -8,8 +8,8 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
-from eagle_test_models import HEAD_DIM, HEADS, HIDDEN, KV_HEADS, draft_config, random_target, write_checkpoint
+from draft_reference import attention, layer_state, mlp, rand, rms
+from eagle_test_models import HIDDEN, draft_config, random_target, write_checkpoint
 from safetensors.torch import load_file
 
 from treespec.attention.metadata import build_metadata
@@ -24,24 +24,6 @@ VOCAB, INTER, T = 256, 96, 7
 def target(tmp_path_factory) -> ModelRunner:
     path = random_target(tmp_path_factory.mktemp("heads") / "target")
     return ModelRunner(path, torch.float32, torch.device("cpu"), kv_pool_size=64)
-
-
-def rand(*shape: int, gen: torch.Generator) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen) * 0.2
-
-
-def layer_state(prefix: str, in_dim: int, norms: list[str], gen: torch.Generator) -> dict[str, torch.Tensor]:
-    state = {
-        f"{prefix}self_attn.q_proj.weight": rand(HEADS * HEAD_DIM, in_dim, gen=gen),
-        f"{prefix}self_attn.k_proj.weight": rand(KV_HEADS * HEAD_DIM, in_dim, gen=gen),
-        f"{prefix}self_attn.v_proj.weight": rand(KV_HEADS * HEAD_DIM, in_dim, gen=gen),
-        f"{prefix}self_attn.o_proj.weight": rand(HIDDEN, HEADS * HEAD_DIM, gen=gen),
-        f"{prefix}mlp.gate_proj.weight": rand(INTER, HIDDEN, gen=gen),
-        f"{prefix}mlp.up_proj.weight": rand(INTER, HIDDEN, gen=gen),
-        f"{prefix}mlp.down_proj.weight": rand(HIDDEN, INTER, gen=gen),
-    }
-    state.update({f"{prefix}{n}.weight": 1 + rand(HIDDEN, gen=gen) for n in norms})
-    return state
 
 
 def eagle_state(seed: int = 0, bias: bool = True) -> dict[str, torch.Tensor]:
@@ -66,35 +48,6 @@ def eagle3_state(draft_vocab: int | None, seed: int = 0) -> dict[str, torch.Tens
 
 
 # ---------------------------------------------------------------------------- direct implementations
-def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
-
-
-def attention(x: torch.Tensor, s: dict, p: str) -> torch.Tensor:
-    """Causal self-attention of one sequence with HF-layout RoPE (positions 0..T-1) and GQA."""
-    q = (x @ s[f"{p}q_proj.weight"].T).view(T, HEADS, HEAD_DIM)
-    k = (x @ s[f"{p}k_proj.weight"].T).view(T, KV_HEADS, HEAD_DIM)
-    v = (x @ s[f"{p}v_proj.weight"].T).view(T, KV_HEADS, HEAD_DIM)
-    inv = 1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM)
-    ang = torch.outer(torch.arange(T).float(), inv)
-    cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
-
-    def rope(t: torch.Tensor) -> torch.Tensor:
-        half = t.shape[-1] // 2
-        return t * cos + torch.cat([-t[..., half:], t[..., :half]], -1) * sin
-
-    q, k = rope(q), rope(k)
-    k, v = k.repeat_interleave(HEADS // KV_HEADS, 1), v.repeat_interleave(HEADS // KV_HEADS, 1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / HEAD_DIM**0.5
-    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
-    out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(T, -1)
-    return out @ s[f"{p}o_proj.weight"].T
-
-
-def mlp(x: torch.Tensor, s: dict, p: str) -> torch.Tensor:
-    return (F.silu(x @ s[f"{p}gate_proj.weight"].T) * (x @ s[f"{p}up_proj.weight"].T)) @ s[f"{p}down_proj.weight"].T
-
-
 def eagle_reference(s: dict, embed: torch.Tensor, lm_head: torch.Tensor, ids: torch.Tensor, feats: torch.Tensor):
     h = torch.cat([embed[ids], feats], -1) @ s["fc.weight"].T + s.get("fc.bias", 0)
     h = h + attention(h, s, "layers.0.self_attn.")  # layer 0: no input norm
