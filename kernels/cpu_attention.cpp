@@ -53,7 +53,7 @@ struct Pool {
 // K and V rows of a head are 256-byte pieces of slots far apart in the pool, and a decode step finds
 // them out of cache (the weights streamed since evicted them): fetch a few columns ahead. Only loads
 // move earlier; the arithmetic is unchanged.
-constexpr int64_t kPrefetchAhead = 8;
+constexpr int64_t kPrefetchAhead = 32;
 
 static inline void prefetch_row(const float* row, int64_t len) {
   for (int64_t i = 0; i < len; i += 16) _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T0);
