@@ -164,3 +164,17 @@ def test_sigterm_leaves_no_process_behind(dp_server):
     while any(pid_alive(p) for p in pids):
         assert time.monotonic() < deadline, [p for p in pids if pid_alive(p)]
         time.sleep(0.2)
+
+
+def test_replica_that_fails_to_start_stops_everything():
+    """A replica that cannot start (here: no such model) ends the launcher with 1, its reason in the log,
+    and the other replica stopped (no router is started)."""
+    srv = start_server(["--dp-size", "2", "--model-path", "/nonexistent/model", "--skip-warmup"])
+    try:
+        rc = srv.proc.wait(120)
+        log = srv.log_tail(1 << 20)
+    finally:
+        srv.terminate()
+    assert rc == 1, log
+    assert "does not exist" in log and re.search(r"replica \d \(http://127\.0\.0\.1:\d+, pid \d+\) exited during "
+                                                 r"start-up with code 1", log), log

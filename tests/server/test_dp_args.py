@@ -84,3 +84,63 @@ def test_router_command_is_accepted_by_sglang_router():
     parsed = parse_router_args(cmd[3:])
     assert parsed.worker_urls == ["http://127.0.0.1:1"] and parsed.policy == "round_robin"
     assert parsed.port == 30000 and parsed.prometheus_port == 29001 and parsed.api_key == "k"
+
+
+class FakeRouter:
+    """Stands in for RouterProcess: a sleeping child process, and the workers removed from it."""
+
+    def __init__(self) -> None:
+        import subprocess
+
+        self.proc = subprocess.Popen(["sleep", "60"])
+        self.removed: list[str] = []
+
+    def remove_worker(self, url: str) -> bool:
+        self.removed.append(url)
+        return True
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def test_monitor_reports_a_dead_replica_keeps_serving_and_exits_when_the_router_dies(caplog):
+    """The launcher's monitor loop on stand-in processes: a killed replica is removed from the router and
+    reported by name, serving goes on with the other; the router's death ends it with 1; stop() stops
+    the replica left."""
+    import logging
+    import multiprocessing as mp
+    import os
+    import signal
+    import threading
+    import time
+
+    from treespec.server.dp_launcher import DataParallelLauncher, Replica
+
+    launcher = DataParallelLauncher(ServerArgs(dp_size=2).resolve())
+    ctx = mp.get_context("spawn")
+    for index, port in enumerate((40010, 40011)):
+        proc = ctx.Process(target=time.sleep, args=(60,))
+        proc.start()
+        launcher.replicas.append(Replica(index, port, proc))
+    launcher.router = router = FakeRouter()
+    result: dict = {}
+    caplog.set_level(logging.INFO, logger="treespec.dp_launcher")
+    watcher = threading.Thread(target=lambda: result.setdefault("code", launcher.monitor()))
+    watcher.start()
+    try:
+        os.kill(launcher.replicas[1].process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not router.removed:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert router.removed == ["http://127.0.0.1:40011"] and watcher.is_alive()
+        assert (f"replica 1 (http://127.0.0.1:40011, pid {launcher.replicas[1].process.pid}) exited with code -9; "
+                "removed from the router; serving with 1 of 2 replicas (not restarted)") in caplog.text
+        router.proc.kill()
+        watcher.join(10)
+        assert result == {"code": 1} and "sglang-router" in caplog.text
+    finally:
+        launcher.stop()
+        router.stop()
+    assert not any(r.process.is_alive() for r in launcher.replicas)
