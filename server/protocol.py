@@ -13,6 +13,7 @@ import orjson
 from treespec.request_checks import ModelLimits, check_copies, check_request, check_rids
 from treespec.sampling_params import InvalidRequest, SamplingParams
 from treespec.server.io_struct import GenerateReq
+from treespec.server.router_fields import GENERATE_DEFAULTS, drop_router_defaults
 
 __all__ = ["ApiError", "ModelLimits", "check_input", "parse_abort", "parse_detokenize", "parse_generate",
            "parse_json_body", "parse_sampling_params", "parse_tokenize"]
@@ -89,6 +90,7 @@ GENERATE_FIELDS = ("text", "input_ids", "sampling_params", "stream", "rid", "ret
 def parse_generate(body: dict[str, Any], tokenizer) -> tuple[list[GenerateReq], bool, bool]:
     """The SGLang-native /generate body -> (inputs, single, stream). Text is encoded as SGLang encodes
     it: with the tokenizer's own special tokens (a BOS where the model's tokenizer adds one)."""
+    body = drop_router_defaults(body, GENERATE_DEFAULTS, "/generate")  # the fields sglang-router adds
     for name in body:
         if name not in GENERATE_FIELDS:
             raise ApiError(f"{name} is not a /generate field this server implements", param=name)

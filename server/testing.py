@@ -55,6 +55,16 @@ class ServerProcess:
         self.terminate()
         raise RuntimeError(f"server not healthy after {timeout:.0f} s:\n{self.log_tail()}")
 
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        """Wait for the launcher's "treespec ready on URL" line: with --dp-size > 1 the router answers
+        /health before its replicas are registered, so /health alone does not mean ready."""
+        deadline = time.monotonic() + timeout
+        while f"treespec ready on {self.base_url} " not in self.log_tail(1 << 20):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.terminate()
+                raise RuntimeError(f"server not ready (exit code {self.proc.returncode}):\n{self.log_tail()}")
+            time.sleep(0.25)
+
     def terminate(self, timeout: float = 30.0) -> int | None:
         """SIGTERM, then SIGKILL (of the launcher's process group) if it does not exit in time. The log
         file is then removed (set TREESPEC_KEEP_SERVER_LOGS=1 to keep it); log_tail() still works."""

@@ -40,6 +40,17 @@ EAGLE_ONLY_FLAGS = {"speculative_draft_model_path": "--speculative-draft-model-p
                     "speculative_config": "--speculative-config"}
 
 
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")  # sglang-router's --policy
+
+
+def router_installed() -> bool:
+    """sglang-router with its Rust router (the `treespec[router]` extra), found without importing it."""
+    import importlib.util
+
+    return importlib.util.find_spec("sglang_router") is not None and \
+        importlib.util.find_spec("sglang_router.sglang_router_rs") is not None
+
+
 def _check(ok: bool, flag: str, msg: str) -> None:
     if not ok:
         raise ArgError(f"{flag}: {msg}")
@@ -97,6 +108,9 @@ class ServerArgs:
     disable_block_quant: bool = False
     random_seed: int = 0
     skip_warmup: bool = False
+    # data parallel: replicas behind sglang-router (server/dp_launcher.py)
+    dp_size: int = 1
+    router_policy: str = "cache_aware"
 
     def resolve(self) -> ResolvedArgs:
         """Check every flag (each error names its flag) and resolve every "auto". `self` is not changed:
@@ -118,6 +132,7 @@ class ServerArgs:
         _check(not (self.enable_jump_forward and self.disable_radix_cache), "--enable-jump-forward",
                "needs the radix cache (a jump-forward re-prefills the request over its cached prefix)")
         self._check_ngram()
+        self._check_data_parallel()
         hybrid = self.speculative_hybrid_ngram_tokens
         _check(hybrid is None or hybrid >= 0, "--speculative-hybrid-ngram-tokens", "must be >= 0 (0: no n-gram nodes)")
         spec = self._resolve_speculative()
@@ -132,6 +147,13 @@ class ServerArgs:
             hybrid = drafts.TUNED_HYBRID_NGRAM_TOKENS.get(algo, 0) if uses_shipped and not shape_given else 0
         spec["speculative_hybrid_ngram_tokens"] = hybrid
         return ResolvedArgs(**{**dataclasses.asdict(self), **spec})
+
+    def _check_data_parallel(self) -> None:
+        _check(self.dp_size >= 1, "--dp-size", "must be a positive integer")
+        _check(self.router_policy in ROUTER_POLICIES, "--router-policy", f"must be one of {', '.join(ROUTER_POLICIES)}")
+        _check(self.dp_size == 1 or router_installed(), "--dp-size",
+               f"{self.dp_size} runs the replicas behind sglang-router, which is not installed here; install the "
+               "extra: pip install 'treespec[router]' (make install does)")
 
     def _check_ngram(self) -> None:
         """The NGRAM flags (checked whatever the algorithm, so a bad value never waits to bite)."""
@@ -300,6 +322,10 @@ FLAG_HELP = {
     "disable_block_quant": "CPU, GGUF models: stream fp32 weights instead of the 32-block quant codes (same outputs)",
     "random_seed": "base seed for requests that set none",
     "skip_warmup": "serve without the warm-up request",
+    "dp_size": "data-parallel replicas: N full servers (own scheduler and KV pool) on internal ports behind "
+               "sglang-router on --port (needs the treespec[router] extra)",
+    "router_policy": "with --dp-size > 1: sglang-router's routing policy (cache_aware: the replica holding "
+                     "the longest prefix of the prompt, balanced by load)",
 }
 
 

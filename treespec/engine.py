@@ -65,6 +65,8 @@ class Engine:
         unknown = set(kwargs) - names
         if unknown:
             raise TypeError(f"unknown Engine argument(s): {sorted(unknown)}")
+        if kwargs.get("dp_size", 1) != 1:  # replicas are separate servers: launch_server --dp-size
+            raise ValueError("dp_size: an Engine is one replica; launch_server --dp-size N runs N behind sglang-router")
         self.server_args = ServerArgs(model_path=model_path, **kwargs).resolve()
         self.scheduler = Scheduler(self.server_args)
         self.tokenizer = load_tokenizer(self.server_args.tokenizer_path or self.scheduler.model_dir)

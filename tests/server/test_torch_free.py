@@ -1,11 +1,11 @@
-"""The HTTP and detokenizer processes never load torch (nor transformers or xgrammar, which import it): they use
-treespec.tokenizer, and only the scheduler process holds the model."""
+"""The HTTP, detokenizer and data-parallel launcher processes never load torch (nor transformers or
+xgrammar, which import it): they use treespec.tokenizer, and only the scheduler process holds the model."""
 
 import subprocess
 import sys
 
 CODE = ("import treespec.server.detokenizer, treespec.server.http_server, treespec.server.tokenizer_manager, "
-        "treespec.server.openai_api; import sys; "
+        "treespec.server.openai_api, treespec.server.dp_launcher; import sys; "
         "heavy = sorted(m for m in ('torch', 'transformers', 'xgrammar') if m in sys.modules); "
         "assert not heavy, heavy")
 
