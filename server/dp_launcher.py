@@ -40,6 +40,7 @@ from treespec.server.launch_server import (
     _on_signal,
     _Shutdown,
 )
+from treespec.server.proc_util import setup_logging
 from treespec.server.router_process import RouterProcess, router_command
 
 logger = logging.getLogger("treespec.dp_launcher")
@@ -198,9 +199,7 @@ class DataParallelLauncher:
 
 def launch_data_parallel(args: ServerArgs) -> int:
     """Run the replicas and the router until SIGTERM / Ctrl-C (returns 0) or a failure (returns 1)."""
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
-                        format="[%(asctime)s dp-launcher] %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    setup_logging("dp-launcher", args.log_level)
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     launcher = DataParallelLauncher(args)

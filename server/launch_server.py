@@ -24,6 +24,7 @@ import time
 from multiprocessing.connection import wait
 
 from treespec.args import DEFAULT_MODEL_NAME, ServerArgs
+from treespec.server.proc_util import setup_logging
 
 logger = logging.getLogger("treespec.launch_server")
 
@@ -199,9 +200,7 @@ def launch_server(args: ServerArgs) -> int:
         from treespec.server.dp_launcher import launch_data_parallel
 
         return launch_data_parallel(args)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
-                        format="[%(asctime)s launcher] %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    setup_logging("launcher", args.log_level)
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     launcher = Launcher(args)

@@ -9,6 +9,13 @@ import signal
 import zmq
 
 
+def setup_logging(name: str, log_level: str) -> None:
+    """Log lines of this process, named `name`, at `log_level` (httpx's per-request lines left out)."""
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
+                        format=f"[%(asctime)s {name}] %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
 def setup_child(name: str, log_level: str) -> None:
     """Common start of a child process: logging, and Ctrl-C left to the launcher (which stops us)."""
     logging.basicConfig(

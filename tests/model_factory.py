@@ -54,3 +54,16 @@ def copy_default_tokenizer(out_dir: Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
         if (src / name).exists():
             shutil.copy(src / name, Path(out_dir) / name)
+
+
+def prefill_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
+    """fp32 logits of one prefill of `ids` on the model in `model_dir` (CPU)."""
+    from treespec.attention.metadata import build_metadata
+    from treespec.forward_batch import ForwardBatch, ForwardMode
+    from treespec.model_runner import ModelRunner
+
+    runner = ModelRunner(model_dir, torch.float32, torch.device("cpu"), kv_pool_size=64)
+    n = len(ids)
+    batch = ForwardBatch(ForwardMode.EXTEND, torch.tensor(ids), torch.arange(n), torch.arange(1, n + 1),
+                         build_metadata([n], [torch.arange(1, n + 1)]))
+    return runner.forward(batch).logits

@@ -10,30 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from treespec.attention.metadata import build_metadata
-from treespec.forward_batch import ForwardBatch, ForwardMode
 from treespec.model_loader import ModelPathError, resolve_model_path
-from treespec.model_runner import ModelRunner
 from treespec.models.block_quant import FILE_NAME as BLOCK_QUANT_FILE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gguf_factory import SPECIAL_TOKENS, quantized_twin, train_bpe, write_gguf  # noqa: E402
-from model_factory import make_tiny_model  # noqa: E402
-
-CPU = torch.device("cpu")
+from model_factory import make_tiny_model, prefill_logits  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path / "cache"))
-
-
-def prefill_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
-    runner = ModelRunner(model_dir, torch.float32, CPU, kv_pool_size=64)
-    n = len(ids)
-    batch = ForwardBatch(ForwardMode.EXTEND, torch.tensor(ids), torch.arange(n), torch.arange(1, n + 1),
-                         build_metadata([n], [torch.arange(1, n + 1)]))
-    return runner.forward(batch).logits
 
 
 def with_rope_theta(hf_dir: Path, theta: float) -> Path:

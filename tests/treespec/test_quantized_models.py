@@ -10,30 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from treespec.attention.metadata import build_metadata
-from treespec.forward_batch import ForwardBatch, ForwardMode
 from treespec.model_loader import ModelPathError, load_hf_weights, resolve_model_path
-from treespec.model_runner import ModelRunner
 from treespec.models.quant_config import UnsupportedQuantizationError, dequantize_fp8_weight
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fp8_factory import LAYOUTS, make_fp8_twins  # noqa: E402
-from model_factory import make_tiny_model  # noqa: E402
-
-CPU = torch.device("cpu")
+from model_factory import make_tiny_model, prefill_logits  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny_qwen2(tmp_path_factory) -> Path:
     return make_tiny_model("qwen2", tmp_path_factory.mktemp("tiny") / "qwen2")
-
-
-def prefill_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
-    runner = ModelRunner(model_dir, torch.float32, CPU, kv_pool_size=64)
-    n = len(ids)
-    batch = ForwardBatch(ForwardMode.EXTEND, torch.tensor(ids), torch.arange(n), torch.arange(1, n + 1),
-                         build_metadata([n], [torch.arange(1, n + 1)]))
-    return runner.forward(batch).logits
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
