@@ -1,0 +1,126 @@
+"""Tensor parallelism in process: two gloo ranks (torch.multiprocessing spawn, one thread each) against
+TP 1 in this process, on tiny models.
+
+- the model split: TP 2 logits equal TP 1 logits up to summation order, for Llama (untied head, vocab
+  split evenly), Qwen2 (q/k/v bias, tied head) and a vocabulary that does not divide by 2 (padding);
+  the packed CPU matmul path and plain F.linear alike; the hidden states are bit-identical on both ranks
+  (what keeps a replicated draft head and every scheduling decision in lock step);
+- schedulers fed the same requests on both ranks: greedy outputs equal TP 1's, speculative (EAGLE-3)
+  greedy outputs equal plain ones within TP 2, seeded sampling agrees across ranks, an abort, and the
+  KV pool balances on every rank after every scenario.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "speculative"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from eagle_test_models import Lookup, lookup_eagle3_head, lookup_target  # noqa: E402
+from tp_ranks import prefill_logits, rank_main, run_requests  # noqa: E402
+
+from model_factory import TINY, make_tiny_model  # noqa: E402
+from treespec.args import ServerArgs  # noqa: E402
+from treespec.server.testing import free_port  # noqa: E402
+
+LOGIT_TOL = 1e-4  # fp32, a 3-layer model: only the order of the row-parallel sums differs
+
+
+def make_prompts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(256) for _ in range(12)]  # half the prompts share a prefix (radix cache hits)
+    return [(shared if i % 2 else []) + [rng.randrange(256) for _ in range(rng.randrange(3, 16))]
+            for i in range(count)]
+
+
+PROMPTS = make_prompts(8, seed=0)
+GREEDY = [{"temperature": 0, "max_new_tokens": 6 + i % 7, "ignore_eos": True} for i in range(len(PROMPTS))]
+SAMPLED = [{"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 8, "ignore_eos": True, "seed": i}
+           for i in range(len(PROMPTS))]
+
+
+def odd_vocab_llama(out_dir: Path) -> Path:
+    import transformers as tf
+
+    from model_factory import copy_default_tokenizer
+
+    torch.manual_seed(3)
+    cfg = tf.LlamaConfig(**{**TINY, "vocab_size": 301}, tie_word_embeddings=False)
+    tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out_dir)
+    copy_default_tokenizer(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def tp_results(tmp_path_factory):
+    """Run every scenario once on two ranks; returns (scenarios, rank 0's results, rank 1's)."""
+    root = tmp_path_factory.mktemp("tp")
+    lookup = Lookup(seed=0)
+    target = lookup_target(root / "lookup_target", lookup, noise=0.07)
+    head = lookup_eagle3_head(root / "eagle3", lookup)
+    llama = make_tiny_model("llama", root / "llama")
+    qwen2 = make_tiny_model("qwen2", root / "qwen2")
+    odd = odd_vocab_llama(root / "odd_vocab")
+    base = dict(model_path=str(target), device="cpu", max_total_tokens=1024, max_running_requests=8,
+                speculative_algorithm="NONE")
+    eagle3 = dict(base, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head),
+                  speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=5)
+    scenarios = {
+        "logits_llama": ("logits", (llama,)),
+        "logits_llama_dense": ("logits", (llama, False)),
+        "logits_qwen2": ("logits", (qwen2,)),
+        "logits_odd_vocab": ("logits", (odd,)),
+        "plain": ("requests", (ServerArgs(**base), PROMPTS, GREEDY)),
+        "eagle3": ("requests", (ServerArgs(**eagle3), PROMPTS, GREEDY)),
+        "eagle3_sampled": ("requests", (ServerArgs(**eagle3), PROMPTS, SAMPLED)),
+        "plain_abort": ("requests", (ServerArgs(**base), PROMPTS, GREEDY, "r3")),
+    }
+    out = root / "out"
+    out.mkdir()
+    mp.start_processes(rank_main, args=(free_port(), scenarios, str(out)), nprocs=2, start_method="spawn")
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return scenarios, ranks[0], ranks[1]
+
+
+@pytest.mark.parametrize("name", ["logits_llama", "logits_llama_dense", "logits_qwen2", "logits_odd_vocab"])
+def test_tp2_logits_match_tp1(tp_results, name):
+    scenarios, rank0, rank1 = tp_results
+    ref_logits, ref_hidden = prefill_logits(*scenarios[name][1], tp=None)
+    for logits, hidden in (rank0[name], rank1[name]):
+        assert logits.shape == ref_logits.shape  # the vocab padding is cut off
+        torch.testing.assert_close(logits, ref_logits, atol=LOGIT_TOL, rtol=LOGIT_TOL)
+        assert torch.equal(logits.argmax(-1), ref_logits.argmax(-1))
+        torch.testing.assert_close(hidden, ref_hidden, atol=LOGIT_TOL, rtol=LOGIT_TOL)
+    # the collectives hand both ranks the same bits: their decisions cannot drift apart
+    assert torch.equal(rank0[name][0], rank1[name][0]) and torch.equal(rank0[name][1], rank1[name][1])
+
+
+def test_tp2_greedy_equals_tp1_and_speculation_equals_plain(tp_results):
+    scenarios, rank0, rank1 = tp_results
+    tp1_plain, tp1_balanced = run_requests(*scenarios["plain"][1])
+    assert tp1_balanced
+    for results in (rank0, rank1):
+        for name in ("plain", "eagle3"):
+            outputs, balanced = results[name]
+            assert balanced, f"{name}: KV pool out of balance on a rank"
+            assert outputs == tp1_plain, name
+    assert rank0["plain"] == rank1["plain"] and rank0["eagle3"] == rank1["eagle3"]
+    assert all(len(tp1_plain[f"r{i}"]) == p["max_new_tokens"] for i, p in enumerate(GREEDY))
+
+
+def test_tp2_sampling_and_abort_agree_across_ranks(tp_results):
+    _, rank0, rank1 = tp_results
+    for name in ("eagle3_sampled", "plain_abort"):
+        assert rank0[name][1] and rank1[name][1], f"{name}: KV pool out of balance"
+        assert rank0[name][0] == rank1[name][0], name
+    sampled = rank0["eagle3_sampled"][0]
+    assert all(len(sampled[f"r{i}"]) == 8 for i in range(len(PROMPTS)))
+    aborted = rank0["plain_abort"][0]
+    assert len(aborted["r3"]) < GREEDY[3]["max_new_tokens"]
