@@ -58,7 +58,7 @@ class ModelRunner:
         else:
             from treespec.distributed import sharding
 
-            self.local_config = sharding.local_config(self.config, tp.size)
+            self.local_config = sharding.local_config(self.config, tp.rank, tp.size)
             embed = state["model.embed_tokens.weight"]
             self.full_vocab_weights = (embed, embed if self.config.tie_word_embeddings else state["lm_head.weight"])
             state = sharding.shard_state(state, self.config, tp.rank, tp.size)

@@ -14,30 +14,16 @@ from __future__ import annotations
 
 import datetime
 import logging
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from treespec.distributed.placement import TPPlacement
 
 logger = logging.getLogger(__name__)
 
 # a peer that dies is noticed at once (its socket closes); this bounds a peer that hangs instead
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
-
-
-@dataclass(frozen=True)
-class TPPlacement:
-    """Where one rank runs: its global rank, the group size, and the address rank 0 listens on."""
-
-    rank: int
-    size: int
-    init_addr: str  # host:port of the TCP store (rank 0's node)
-
-    @property
-    def init_method(self) -> str:
-        host, _, port = self.init_addr.rpartition(":")
-        host = f"[{host}]" if ":" in host and not host.startswith("[") else host
-        return f"tcp://{host}:{port}"
 
 
 class TPGroup:

@@ -1,6 +1,7 @@
 """How a Llama-family checkpoint splits over `tp` ranks (Megatron's split, as SGLang does it).
 
-- q/k/v, gate/up: column-parallel (each rank keeps whole heads / a slice of the intermediate rows);
+- q/k/v, gate/up: column-parallel (each rank keeps whole GQA groups of heads / a slice of the
+  intermediate rows);
 - o_proj, down_proj: row-parallel (each rank keeps the matching input columns; the partial outputs
   are summed by an all-reduce in the decoder layer);
 - embedding and lm_head: vocab-parallel (each rank keeps ceil(V / tp) rows, the last padded with zeros;
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from dataclasses import dataclass
 
 import torch
 
@@ -27,19 +29,40 @@ class ShardingError(ValueError):
     """The model cannot be split over this many ranks (the message names --tp-size)."""
 
 
-def check_divisible(cfg: ModelConfig, tp: int) -> None:
-    for what, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
-                    ("intermediate size", cfg.intermediate_size)):
-        if n % tp:
-            raise ShardingError(f"--tp-size {tp}: the model's {what} ({n}) do not divide by {tp}")
+@dataclass(frozen=True)
+class ShardPlan:
+    """One rank's (start, size) along each split dimension: the query and KV head rows (whole GQA
+    groups: a rank keeps its KV heads with all the query heads that read them), the MLP rows, the
+    vocab rows. Heads that do not divide by tp split unevenly, by KV head (SmolLM2-135M: 9 heads in 3
+    groups of 3, so 6 + 3 over 2 ranks); the MLP and the vocabulary split evenly (the vocab padded)."""
+
+    q: tuple[int, int]
+    kv: tuple[int, int]
+    mlp: tuple[int, int]
+    vocab: tuple[int, int]
 
 
-def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
-    """The sizes one rank's model holds: heads, KV heads and MLP rows / tp, vocab rows ceil(V / tp)."""
-    check_divisible(cfg, tp)
-    return dataclasses.replace(cfg, num_heads=cfg.num_heads // tp, num_kv_heads=cfg.num_kv_heads // tp,
-                               intermediate_size=cfg.intermediate_size // tp,
-                               vocab_size=vocab_shard_size(cfg.vocab_size, tp))
+def shard_plan(cfg: ModelConfig, rank: int, tp: int) -> ShardPlan:
+    if cfg.num_kv_heads < tp:
+        raise ShardingError(f"--tp-size {tp}: the model has {cfg.num_kv_heads} KV heads, fewer than the ranks "
+                            "(replicating KV heads is not supported)")
+    if cfg.intermediate_size % tp:
+        raise ShardingError(f"--tp-size {tp}: the model's intermediate size ({cfg.intermediate_size}) does not "
+                            f"divide by {tp}")
+    kv_counts = [cfg.num_kv_heads // tp + (1 if r < cfg.num_kv_heads % tp else 0) for r in range(tp)]
+    kv_start, kv_len = sum(kv_counts[:rank]), kv_counts[rank]
+    group, hd = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    mlp = cfg.intermediate_size // tp
+    vocab = vocab_shard_size(cfg.vocab_size, tp)
+    return ShardPlan(q=(kv_start * group * hd, kv_len * group * hd), kv=(kv_start * hd, kv_len * hd),
+                     mlp=(rank * mlp, mlp), vocab=(rank * vocab, vocab))
+
+
+def local_config(cfg: ModelConfig, rank: int, tp: int) -> ModelConfig:
+    """The sizes rank `rank`'s model holds: its heads and KV heads, MLP rows / tp, vocab rows ceil(V / tp)."""
+    plan = shard_plan(cfg, rank, tp)
+    return dataclasses.replace(cfg, num_heads=plan.q[1] // cfg.head_dim, num_kv_heads=plan.kv[1] // cfg.head_dim,
+                               intermediate_size=plan.mlp[1], vocab_size=plan.vocab[1])
 
 
 def vocab_shard_size(vocab_size: int, tp: int) -> int:
@@ -49,67 +72,59 @@ def vocab_shard_size(vocab_size: int, tp: int) -> int:
 _LAYER = re.compile(r"model\.layers\.\d+\.(.+)")
 
 
-def _split_rule(name: str, cfg: ModelConfig) -> tuple[str, int] | None:
-    """(kind, unit) of an HF weight: "rows" / "cols" sliced in `unit`-sized whole pieces, "vocab" rows,
-    or None (replicated)."""
+def _split_rule(name: str, plan: ShardPlan) -> tuple[str, tuple[int, int]] | None:
+    """(kind, (start, size)) of an HF weight: "rows" / "cols" sliced, "vocab" rows (zero-padded at the
+    end), or None (replicated)."""
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        return ("vocab", 1)
+        return ("vocab", plan.vocab)
     m = _LAYER.fullmatch(name)
     if m is None:
         return None
-    part, hd = m.group(1), cfg.head_dim
-    if part in ("self_attn.q_proj.weight", "self_attn.q_proj.bias"):
-        return ("rows", cfg.num_heads * hd)
-    if part in ("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight",
-                "self_attn.v_proj.bias"):
-        return ("rows", cfg.num_kv_heads * hd)
-    if part in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
-        return ("rows", cfg.intermediate_size)
-    if part == "self_attn.o_proj.weight":
-        return ("cols", cfg.num_heads * hd)
-    if part == "mlp.down_proj.weight":
-        return ("cols", cfg.intermediate_size)
-    return None
+    module, _, _ = m.group(1).rpartition(".")
+    rule = {"self_attn.q_proj": ("rows", plan.q), "self_attn.k_proj": ("rows", plan.kv),
+            "self_attn.v_proj": ("rows", plan.kv), "mlp.gate_proj": ("rows", plan.mlp),
+            "mlp.up_proj": ("rows", plan.mlp), "self_attn.o_proj": ("cols", plan.q),
+            "mlp.down_proj": ("cols", plan.mlp)}.get(module)
+    if rule is not None and rule[0] == "cols" and not name.endswith(".weight"):
+        return None  # a row-parallel bias is added once, after the sum (none in the Llama family)
+    return rule
 
 
-def _slice(t: torch.Tensor, kind: str, rank: int, tp: int, vocab: int) -> torch.Tensor:
+def _slice(t: torch.Tensor, kind: str, span: tuple[int, int]) -> torch.Tensor:
+    start, size = span
     if kind == "vocab":
-        rows = vocab_shard_size(vocab, tp)
-        part = t[rank * rows : (rank + 1) * rows]
-        if part.shape[0] < rows:  # the last rank's padding: zero rows, cut from the gathered logits
-            part = torch.cat([part, part.new_zeros(rows - part.shape[0], *part.shape[1:])])
+        part = t[start : start + size]
+        if part.shape[0] < size:  # the last rank's padding: zero rows, cut from the gathered logits
+            part = torch.cat([part, part.new_zeros(size - part.shape[0], *part.shape[1:])])
         return part.contiguous()
-    dim = 0 if kind == "rows" else 1
-    size = t.shape[dim] // tp
-    return t.narrow(dim, rank * size, size).contiguous()
+    return t.narrow(0 if kind == "rows" else 1, start, size).contiguous()
 
 
 def shard_state(state: dict[str, torch.Tensor], cfg: ModelConfig, rank: int, tp: int) -> dict[str, torch.Tensor]:
     """Rank `rank`'s share of an HF state dict (names unchanged, tensors sliced)."""
-    check_divisible(cfg, tp)
+    plan = shard_plan(cfg, rank, tp)
     out = {}
     for name, t in state.items():
-        rule = _split_rule(name, cfg)
-        out[name] = t if rule is None else _slice(t, rule[0], rank, tp, cfg.vocab_size)
+        rule = _split_rule(name, plan)
+        out[name] = t if rule is None else _slice(t, *rule)
     return out
 
 
 def shard_block_quants(quants: dict[str, BlockQuant], cfg: ModelConfig, rank: int,
                        tp: int) -> dict[str, BlockQuant]:
     """Rank `rank`'s share of the GGUF blocks kept beside the weights (HF names). A row-parallel slice
-    that does not fall on a 32-block boundary is dropped: that matmul streams its fp32 weights."""
+    that does not fall on 32-block boundaries is dropped: that matmul streams its fp32 weights."""
+    plan = shard_plan(cfg, rank, tp)
     out = {}
     for name, q in quants.items():
-        rule = _split_rule(name, cfg)
+        rule = _split_rule(name, plan)
         if rule is None:
             out[name] = q
         elif rule[0] != "cols":
-            out[name] = q.map_rows(lambda t, kind=rule[0]: _slice(t, kind, rank, tp, cfg.vocab_size))
-        else:
-            width = q.codes.shape[1] // tp
-            if width % BLOCK == 0:
-                start = rank * width
-                out[name] = BlockQuant(q.codes[:, start : start + width].contiguous(),
-                                       q.scales[:, start // BLOCK : (start + width) // BLOCK].contiguous(),
-                                       q.mins[:, start // BLOCK : (start + width) // BLOCK].contiguous())
+            out[name] = q.map_rows(lambda t, rule=rule: _slice(t, *rule))
+        elif rule[1][0] % BLOCK == 0 and rule[1][1] % BLOCK == 0:
+            start, size = rule[1]
+            blocks = (start // BLOCK, size // BLOCK)
+            out[name] = BlockQuant(_slice(q.codes, "cols", rule[1]), _slice(q.scales, "cols", blocks),
+                                   _slice(q.mins, "cols", blocks))
     return out

@@ -2,9 +2,10 @@
 TP 1 in this process, on tiny models.
 
 - the model split: TP 2 logits equal TP 1 logits up to summation order, for Llama (untied head, vocab
-  split evenly), Qwen2 (q/k/v bias, tied head) and a vocabulary that does not divide by 2 (padding);
-  the packed CPU matmul path and plain F.linear alike; the hidden states are bit-identical on both ranks
-  (what keeps a replicated draft head and every scheduling decision in lock step);
+  split evenly), Qwen2 (q/k/v bias, tied head) and a Llama with an odd vocabulary (padded) and 3 KV
+  heads (split unevenly, 2 + 1 groups); the packed CPU matmul path and plain F.linear alike; the hidden
+  states are bit-identical on both ranks (what keeps a replicated draft head and every scheduling
+  decision in lock step);
 - schedulers fed the same requests on both ranks: greedy outputs equal TP 1's, speculative (EAGLE-3)
   greedy outputs equal plain ones within TP 2, seeded sampling agrees across ranks, an abort, and the
   KV pool balances on every rank after every scenario.
@@ -24,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "speculative"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eagle_test_models import Lookup, lookup_eagle3_head, lookup_target  # noqa: E402
+from model_factory import TINY, make_tiny_model  # noqa: E402
 from tp_ranks import prefill_logits, rank_main, run_requests  # noqa: E402
 
-from model_factory import TINY, make_tiny_model  # noqa: E402
 from treespec.args import ServerArgs  # noqa: E402
 from treespec.server.testing import free_port  # noqa: E402
 
@@ -46,13 +47,15 @@ SAMPLED = [{"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 8, "ignore_eos":
            for i in range(len(PROMPTS))]
 
 
-def odd_vocab_llama(out_dir: Path) -> Path:
+def odd_llama(out_dir: Path) -> Path:
+    """A vocabulary that does not divide by 2 (padded) and 3 KV heads (split 2 + 1, with their query
+    heads), as the default model's 9 heads in 3 groups split."""
     import transformers as tf
-
     from model_factory import copy_default_tokenizer
 
     torch.manual_seed(3)
-    cfg = tf.LlamaConfig(**{**TINY, "vocab_size": 301}, tie_word_embeddings=False)
+    cfg = tf.LlamaConfig(**{**TINY, "vocab_size": 301, "hidden_size": 96, "num_attention_heads": 6,
+                            "num_key_value_heads": 3}, tie_word_embeddings=False)
     tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out_dir)
     copy_default_tokenizer(out_dir)
     return out_dir
@@ -67,7 +70,7 @@ def tp_results(tmp_path_factory):
     head = lookup_eagle3_head(root / "eagle3", lookup)
     llama = make_tiny_model("llama", root / "llama")
     qwen2 = make_tiny_model("qwen2", root / "qwen2")
-    odd = odd_vocab_llama(root / "odd_vocab")
+    odd = odd_llama(root / "odd")
     base = dict(model_path=str(target), device="cpu", max_total_tokens=1024, max_running_requests=8,
                 speculative_algorithm="NONE")
     eagle3 = dict(base, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head),
@@ -76,7 +79,7 @@ def tp_results(tmp_path_factory):
         "logits_llama": ("logits", (llama,)),
         "logits_llama_dense": ("logits", (llama, False)),
         "logits_qwen2": ("logits", (qwen2,)),
-        "logits_odd_vocab": ("logits", (odd,)),
+        "logits_odd": ("logits", (odd,)),
         "plain": ("requests", (ServerArgs(**base), PROMPTS, GREEDY)),
         "eagle3": ("requests", (ServerArgs(**eagle3), PROMPTS, GREEDY)),
         "eagle3_sampled": ("requests", (ServerArgs(**eagle3), PROMPTS, SAMPLED)),
@@ -89,7 +92,7 @@ def tp_results(tmp_path_factory):
     return scenarios, ranks[0], ranks[1]
 
 
-@pytest.mark.parametrize("name", ["logits_llama", "logits_llama_dense", "logits_qwen2", "logits_odd_vocab"])
+@pytest.mark.parametrize("name", ["logits_llama", "logits_llama_dense", "logits_qwen2", "logits_odd"])
 def test_tp2_logits_match_tp1(tp_results, name):
     scenarios, rank0, rank1 = tp_results
     ref_logits, ref_hidden = prefill_logits(*scenarios[name][1], tp=None)

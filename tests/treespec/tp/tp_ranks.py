@@ -11,7 +11,8 @@ import torch
 
 from treespec.args import ServerArgs
 from treespec.batch_builder import build_extend_batch
-from treespec.distributed.parallel_state import TPPlacement, destroy_tp_group, init_tp_group
+from treespec.distributed.parallel_state import destroy_tp_group, init_tp_group
+from treespec.distributed.placement import TPPlacement
 from treespec.mem.req_to_token import ReqToTokenPool
 from treespec.model_runner import ModelRunner
 from treespec.request import Req
