@@ -33,7 +33,10 @@ class ModelRunner:
         packed_linear: bool = True,
         block_quant: bool = True,
         tp: TPGroup | None = None,
+        keep_full_vocab: bool = True,
     ) -> None:
+        """`tp`: load this rank's shard; `keep_full_vocab`: under tp, keep the whole embedding and lm_head
+        for a draft head that shares them (vocab_weights)."""
         self.device, self.dtype = device, dtype
         self.tp = tp
         self.hf_config = load_config(model_dir)
@@ -59,8 +62,9 @@ class ModelRunner:
             from treespec.distributed import sharding
 
             self.local_config = sharding.local_config(self.config, tp.rank, tp.size)
-            embed = state["model.embed_tokens.weight"]
-            self.full_vocab_weights = (embed, embed if self.config.tie_word_embeddings else state["lm_head.weight"])
+            if keep_full_vocab:
+                embed = state["model.embed_tokens.weight"]
+                self.full_vocab_weights = (embed, embed if self.config.tie_word_embeddings else state["lm_head.weight"])
             state = sharding.shard_state(state, self.config, tp.rank, tp.size)
             block_quants = sharding.shard_block_quants(block_quants, self.config, tp.rank, tp.size)
             with torch.device("cpu"):
@@ -80,8 +84,10 @@ class ModelRunner:
 
     def vocab_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(embedding, lm_head) over the whole vocabulary, on this runner's device and dtype."""
-        if self.full_vocab_weights is None:
+        if self.tp is None:
             return self.model.embed_tokens.weight, self.model.lm_head_weight
+        if self.full_vocab_weights is None:
+            raise RuntimeError("this tensor-parallel runner was built with keep_full_vocab=False")
         return tuple(w.to(device=self.device, dtype=self.dtype) for w in self.full_vocab_weights)
 
     @torch.inference_mode()
