@@ -249,7 +249,7 @@ def run_scheduler_process(args: ServerArgs, names: IpcNames | None, ready: Conne
         if tp is not None:
             from treespec.distributed.parallel_state import destroy_tp_group
 
-            destroy_tp_group()
+            destroy_tp_group(tp)
 
 
 def rank_device(args: ServerArgs, placement: TPPlacement | None):

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from treespec.distributed.placement import TPPlacement
+from treespec.distributed.shm_comm import ShmExchange, shm_available
 
 logger = logging.getLogger(__name__)
 
@@ -33,20 +34,38 @@ class TPGroup:
     def __init__(self, rank: int, size: int, device_group, cpu_group) -> None:
         self.rank, self.size = rank, size
         self.device_group, self.cpu_group = device_group, cpu_group
+        self.shm: ShmExchange | None = None  # CPU ranks of one machine: see attach_shm
 
     @property
     def is_first(self) -> bool:
         return self.rank == 0
 
     # ------------------------------------------------------------------ model collectives
+    def attach_shm(self) -> None:
+        """Exchange through shared memory from now on (distributed/shm_comm.py; ~1 ms per gloo call
+        on loopback). Rank 0 creates the file and removes its name once every rank has mapped it,
+        so nothing is left in /dev/shm whichever process dies."""
+        path = None if self.is_first else self.broadcast_frames(None)[0].decode()
+        shm = ShmExchange(self.rank, self.size, path)
+        if self.is_first:
+            self.broadcast_frames([shm.path.encode()])
+        dist.barrier(group=self.cpu_group)
+        if self.is_first:
+            shm.unlink()
+        self.shm = shm
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of `x` over the ranks (the partial outputs of a row-parallel matmul)."""
+        if self.shm is not None and self.shm.fits(x):
+            return self.shm.all_reduce(x)
         x = x.contiguous()
         dist.all_reduce(x, group=self.device_group)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' `x` side by side along the last dimension, in rank order (vocab-parallel logits)."""
+        if self.shm is not None and self.shm.fits(x):
+            return self.shm.all_gather_last_dim(x)
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x, group=self.device_group)
@@ -100,10 +119,16 @@ def init_tp_group(placement: TPPlacement, device: torch.device) -> TPGroup:
                             world_size=placement.size, timeout=COLLECTIVE_TIMEOUT)
     world = dist.group.WORLD
     cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
-    logger.info("tensor-parallel rank %d of %d joined (%s)", placement.rank, placement.size, backend)
-    return TPGroup(placement.rank, placement.size, world, cpu_group)
+    group = TPGroup(placement.rank, placement.size, world, cpu_group)
+    if shm_available(device, placement.nnodes):
+        group.attach_shm()
+    logger.info("tensor-parallel rank %d of %d joined (%s%s)", placement.rank, placement.size, backend,
+                ", shared-memory collectives" if group.shm else "")
+    return group
 
 
-def destroy_tp_group() -> None:
+def destroy_tp_group(group: TPGroup | None = None) -> None:
+    if group is not None:
+        group.shm = None  # the mapping goes with the process
     if dist.is_initialized():
         dist.destroy_process_group()

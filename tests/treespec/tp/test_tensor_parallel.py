@@ -3,7 +3,8 @@ TP 1 in this process, on tiny models.
 
 - the model split: TP 2 logits equal TP 1 logits up to summation order, for Llama (untied head, vocab
   split evenly), Qwen2 (q/k/v bias, tied head) and a Llama with an odd vocabulary (padded) and 3 KV
-  heads (split unevenly, 2 + 1 groups); the packed CPU matmul path and plain F.linear alike; the hidden
+  heads (split unevenly, 2 + 1 groups); the packed CPU matmul path and plain F.linear alike; the
+  collectives through shared memory (the default here) and through gloo, with equal results; the hidden
   states are bit-identical on both ranks (what keeps a replicated draft head and every scheduling
   decision in lock step);
 - schedulers fed the same requests on both ranks: greedy outputs equal TP 1's, speculative (EAGLE-3)
@@ -29,6 +30,7 @@ from model_factory import TINY, make_tiny_model  # noqa: E402
 from tp_ranks import prefill_logits, rank_main, run_requests  # noqa: E402
 
 from treespec.args import ServerArgs  # noqa: E402
+from treespec.distributed.shm_comm import shm_available  # noqa: E402
 from treespec.server.testing import free_port  # noqa: E402
 
 LOGIT_TOL = 1e-4  # fp32, a 3-layer model: only the order of the row-parallel sums differs
@@ -78,6 +80,7 @@ def tp_results(tmp_path_factory):
     scenarios = {
         "logits_llama": ("logits", (llama,)),
         "logits_llama_dense": ("logits", (llama, False)),
+        "logits_llama_gloo": ("logits_gloo", (llama,)),
         "logits_qwen2": ("logits", (qwen2,)),
         "logits_odd": ("logits", (odd,)),
         "plain": ("requests", (ServerArgs(**base), PROMPTS, GREEDY)),
@@ -92,7 +95,8 @@ def tp_results(tmp_path_factory):
     return scenarios, ranks[0], ranks[1]
 
 
-@pytest.mark.parametrize("name", ["logits_llama", "logits_llama_dense", "logits_qwen2", "logits_odd"])
+@pytest.mark.parametrize("name", ["logits_llama", "logits_llama_dense", "logits_llama_gloo", "logits_qwen2",
+                                  "logits_odd"])
 def test_tp2_logits_match_tp1(tp_results, name):
     scenarios, rank0, rank1 = tp_results
     ref_logits, ref_hidden = prefill_logits(*scenarios[name][1], tp=None)
@@ -103,6 +107,10 @@ def test_tp2_logits_match_tp1(tp_results, name):
         torch.testing.assert_close(hidden, ref_hidden, atol=LOGIT_TOL, rtol=LOGIT_TOL)
     # the collectives hand both ranks the same bits: their decisions cannot drift apart
     assert torch.equal(rank0[name][0], rank1[name][0]) and torch.equal(rank0[name][1], rank1[name][1])
+    if name == "logits_llama_gloo":  # shared memory and gloo sum the two partials alike: a + b
+        assert torch.equal(rank0[name][0], rank0["logits_llama"][0])
+    if shm_available(torch.device("cpu"), 1):  # x86-64 CPU ranks of one machine
+        assert rank0["uses_shm"] and rank1["uses_shm"]
 
 
 def test_tp2_greedy_equals_tp1_and_speculation_equals_plain(tp_results):

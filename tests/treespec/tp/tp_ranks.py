@@ -61,11 +61,15 @@ def run_requests(args: ServerArgs, prompts: list[list[int]], params: list[dict],
 def rank_main(rank: int, port: int, scenarios: dict, out_dir: str) -> None:
     torch.set_num_threads(1)
     tp = init_tp_group(TPPlacement(rank, 2, f"127.0.0.1:{port}"), torch.device("cpu"))
-    results = {}
+    results = {"uses_shm": tp.shm is not None}
     try:
         for name, (kind, spec) in scenarios.items():
             if kind == "logits":
                 results[name] = prefill_logits(*spec, tp=tp)
+            elif kind == "logits_gloo":  # the collectives through gloo, not shared memory
+                shm, tp.shm = tp.shm, None
+                results[name] = prefill_logits(*spec, tp=tp)
+                tp.shm = shm
             else:
                 results[name] = run_requests(*spec, tp=tp)
     except BaseException:
@@ -73,4 +77,4 @@ def rank_main(rank: int, port: int, scenarios: dict, out_dir: str) -> None:
         raise
     finally:
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-        destroy_tp_group()
+        destroy_tp_group(tp)
