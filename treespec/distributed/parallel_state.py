@@ -45,10 +45,19 @@ class TPGroup:
         """Exchange through shared memory from now on (distributed/shm_comm.py; ~1 ms per gloo call
         on loopback). Rank 0 creates the file and removes its name once every rank has mapped it,
         so nothing is left in /dev/shm whichever process dies."""
-        path = None if self.is_first else self.broadcast_frames(None)[0].decode()
-        shm = ShmExchange(self.rank, self.size, path)
         if self.is_first:
+            try:
+                shm = ShmExchange(self.rank, self.size, None)
+            except OSError as e:  # no room in /dev/shm: every rank stays on gloo
+                logger.warning("shared-memory collectives unavailable (%s); using gloo", e)
+                self.broadcast_frames([b""])
+                return
             self.broadcast_frames([shm.path.encode()])
+        else:
+            path = self.broadcast_frames(None)[0].decode()
+            if not path:
+                return
+            shm = ShmExchange(self.rank, self.size, path)
         dist.barrier(group=self.cpu_group)
         if self.is_first:
             shm.unlink()

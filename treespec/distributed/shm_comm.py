@@ -22,7 +22,9 @@ import tempfile
 import numpy as np
 import torch
 
-SLOT_FLOATS = 1 << 20  # 4 MiB per rank and buffer: decode and verify batches; big prefills use gloo
+# per rank and buffer at most 4 MiB (decode and verify batches; big prefills use gloo), and 32 MiB in all:
+# containers often have a 64 MiB /dev/shm
+MAX_SLOT_FLOATS, TOTAL_BYTES = 1 << 20, 32 << 20
 SPINS_PER_LIVENESS_CHECK = 4096  # a waiting rank checks this often that its peers still run
 
 
@@ -35,30 +37,36 @@ def shm_available(device: torch.device, nnodes: int) -> bool:
 
 
 class ShmExchange:
-    """One rank's view of the shared buffers: [2 buffers][size slots][SLOT_FLOATS] fp32 data, then one
+    """One rank's view of the shared buffers: [2 buffers][size slots][slot_floats] fp32 data, then one
     int64 sequence number per rank, then each rank's pid."""
 
     def __init__(self, rank: int, size: int, path: str | None) -> None:
         """`path` None: create the file (rank 0, which removes it once all have mapped it: `unlink`)."""
         self.rank, self.size = rank, size
-        data_bytes = 2 * size * SLOT_FLOATS * 4
+        self.slot_floats = min(MAX_SLOT_FLOATS, TOTAL_BYTES // (2 * size * 4))
+        data_bytes = 2 * size * self.slot_floats * 4
         if path is None:
             fd, path = tempfile.mkstemp(prefix="treespec-tp-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-            os.ftruncate(fd, data_bytes + 16 * size)
+            try:
+                os.posix_fallocate(fd, 0, data_bytes + 16 * size)  # a full tmpfs fails here, not with SIGBUS later
+            except OSError:
+                os.close(fd)
+                os.unlink(path)
+                raise
         else:
             fd = os.open(path, os.O_RDWR)
         self.path = path
         self.buf = mmap.mmap(fd, data_bytes + 16 * size)
         os.close(fd)
-        self.data = torch.frombuffer(self.buf, dtype=torch.float32, count=2 * size * SLOT_FLOATS)
-        self.data = self.data.view(2, size, SLOT_FLOATS)
+        self.data = torch.frombuffer(self.buf, dtype=torch.float32, count=2 * size * self.slot_floats)
+        self.data = self.data.view(2, size, self.slot_floats)
         self.seqs = np.frombuffer(self.buf, dtype=np.int64, count=size, offset=data_bytes)
         self.pids = np.frombuffer(self.buf, dtype=np.int64, count=size, offset=data_bytes + 8 * size)
         self.pids[rank] = os.getpid()  # read by the others once all have mapped the file (a barrier)
         self.seq = 0
 
     def fits(self, x: torch.Tensor) -> bool:
-        return x.dtype == torch.float32 and x.numel() <= SLOT_FLOATS
+        return x.dtype == torch.float32 and x.numel() <= self.slot_floats
 
     def _exchange(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's x, stacked in rank order: a view [size, numel] of this call's buffer."""
