@@ -8,8 +8,9 @@ TP 1 in this process, on tiny models.
   states are bit-identical on both ranks (what keeps a replicated draft head and every scheduling
   decision in lock step);
 - schedulers fed the same requests on both ranks: greedy outputs equal TP 1's, speculative (EAGLE-3)
-  greedy outputs equal plain ones within TP 2, seeded sampling agrees across ranks, an abort, and the
-  KV pool balances on every rank after every scenario.
+  and NGRAM greedy outputs equal plain ones within TP 2, grammar-constrained requests (whose compile
+  time differs by rank) equal TP 1's, seeded sampling agrees across ranks, an abort, and the KV pool
+  balances on every rank after every scenario.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "speculative"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eagle_test_models import Lookup, lookup_eagle3_head, lookup_target  # noqa: E402
-from model_factory import TINY, make_tiny_model  # noqa: E402
+from model_factory import TINY, copy_default_tokenizer, make_tiny_model  # noqa: E402
 from tp_ranks import prefill_logits, rank_main, run_requests  # noqa: E402
 
 from treespec.args import ServerArgs  # noqa: E402
@@ -45,15 +46,30 @@ def make_prompts(count: int, seed: int) -> list[list[int]]:
 
 PROMPTS = make_prompts(8, seed=0)
 GREEDY = [{"temperature": 0, "max_new_tokens": 6 + i % 7, "ignore_eos": True} for i in range(len(PROMPTS))]
+# grammars compile on a thread, finishing at a different time on each rank: under TP every rank waits
+REGEX = r"(yes|no|maybe), [a-z]{2,6} [0-9]{1,3}"
+CONSTRAINED = [{"temperature": 0, "max_new_tokens": 24, **({"regex": REGEX} if i % 2 else {"ignore_eos": True})}
+               for i in range(4)]
+FULL_VOCAB_PROMPTS = [[(7919 * (i + 1) * (j + 3)) % 49152 for j in range(6 + i)] for i in range(4)]
 SAMPLED = [{"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 8, "ignore_eos": True, "seed": i}
            for i in range(len(PROMPTS))]
+
+
+def full_vocab_llama(out_dir: Path) -> Path:
+    """The default tokenizer's whole vocabulary, so grammar text tokenizes (tests/treespec/test_constrained.py)."""
+    import transformers as tf
+
+    torch.manual_seed(4)
+    cfg = tf.LlamaConfig(**{**TINY, "vocab_size": 49152}, tie_word_embeddings=False)
+    tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out_dir)
+    copy_default_tokenizer(out_dir)
+    return out_dir
 
 
 def odd_llama(out_dir: Path) -> Path:
     """A vocabulary that does not divide by 2 (padded) and 3 KV heads (split 2 + 1, with their query
     heads), as the default model's 9 heads in 3 groups split."""
     import transformers as tf
-    from model_factory import copy_default_tokenizer
 
     torch.manual_seed(3)
     cfg = tf.LlamaConfig(**{**TINY, "vocab_size": 301, "hidden_size": 96, "num_attention_heads": 6,
@@ -73,6 +89,7 @@ def tp_results(tmp_path_factory):
     llama = make_tiny_model("llama", root / "llama")
     qwen2 = make_tiny_model("qwen2", root / "qwen2")
     odd = odd_llama(root / "odd")
+    full_vocab = full_vocab_llama(root / "full_vocab")
     base = dict(model_path=str(target), device="cpu", max_total_tokens=1024, max_running_requests=8,
                 speculative_algorithm="NONE")
     eagle3 = dict(base, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head),
@@ -87,6 +104,9 @@ def tp_results(tmp_path_factory):
         "eagle3": ("requests", (ServerArgs(**eagle3), PROMPTS, GREEDY)),
         "eagle3_sampled": ("requests", (ServerArgs(**eagle3), PROMPTS, SAMPLED)),
         "plain_abort": ("requests", (ServerArgs(**base), PROMPTS, GREEDY, "r3")),
+        "ngram": ("requests", (ServerArgs(**dict(base, speculative_algorithm="NGRAM")), PROMPTS, GREEDY)),
+        "grammar": ("requests", (ServerArgs(**dict(base, model_path=str(full_vocab))), FULL_VOCAB_PROMPTS,
+                                 CONSTRAINED)),
     }
     out = root / "out"
     out.mkdir()
@@ -118,12 +138,19 @@ def test_tp2_greedy_equals_tp1_and_speculation_equals_plain(tp_results):
     tp1_plain, tp1_balanced = run_requests(*scenarios["plain"][1])
     assert tp1_balanced
     for results in (rank0, rank1):
-        for name in ("plain", "eagle3"):
+        for name in ("plain", "eagle3", "ngram"):
             outputs, balanced = results[name]
             assert balanced, f"{name}: KV pool out of balance on a rank"
             assert outputs == tp1_plain, name
     assert rank0["plain"] == rank1["plain"] and rank0["eagle3"] == rank1["eagle3"]
     assert all(len(tp1_plain[f"r{i}"]) == p["max_new_tokens"] for i, p in enumerate(GREEDY))
+
+
+def test_tp2_grammar_outputs_equal_tp1(tp_results):
+    scenarios, rank0, rank1 = tp_results
+    tp1, balanced = run_requests(*scenarios["grammar"][1])
+    assert balanced and rank0["grammar"] == (tp1, True) and rank1["grammar"] == (tp1, True)
+    assert any(len(tp1[f"r{i}"]) < 24 for i in (1, 3))  # the grammar ended a constrained request
 
 
 def test_tp2_sampling_and_abort_agree_across_ranks(tp_results):
