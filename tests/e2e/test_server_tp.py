@@ -1,7 +1,8 @@
 """End-to-end tensor parallelism (`--tp-size 2` over gloo) on a tiny model: greedy outputs through the
 server equal the in-process Engine's (TP 1), the KV pools balance on both ranks; the same two ranks run
-as two "nodes" (`--nnodes 2 --node-rank 0/1 --dist-init-addr`), each launcher with its own rank; and a
-killed rank takes the server to 503, the launcher exits non-zero and no process is left behind."""
+as two "nodes" (`--nnodes 2 --node-rank 0/1 --dist-init-addr`), each launcher with its own rank; a
+killed rank takes the server to 503, the launcher exits non-zero and no process is left behind; a
+killed launcher leaves no rank behind."""
 
 from __future__ import annotations
 
@@ -98,3 +99,19 @@ def test_two_nodes_on_one_machine(tiny_dir):
         if node1.poll() is None:
             os.killpg(node1.pid, signal.SIGKILL)
             node1.wait(10)
+
+
+def test_a_killed_launcher_leaves_no_rank_behind(tiny_dir):
+    """SIGKILL gives the launcher no chance to stop its children: rank 0 notices its parent is gone,
+    and rank 1 notices rank 0 is gone (its collective fails)."""
+    server = popen_launch_server([*server_args(tiny_dir), "--tp-size", "2"])
+    try:
+        pids = server_info(server.base_url)["pids"]
+        os.kill(pids["launcher"], signal.SIGKILL)
+        children = [pids[name] for name in ("scheduler", "scheduler-tp1", "detokenizer")]
+        deadline = time.monotonic() + 30
+        while any(pid_alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(pid_alive(pid) for pid in children)
+    finally:
+        server.terminate()
