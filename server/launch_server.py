@@ -61,24 +61,42 @@ class Launcher:
         """Start the scheduler, which resolves the model (converting a GGUF once) and loads it, then the
         detokenizer on the tokenizer the scheduler reports. This process never imports torch."""
         from treespec.server.detokenizer import run_detokenizer_process
-        from treespec.server.scheduler_process import run_scheduler_process
 
-        info = self._start_and_wait("scheduler", run_scheduler_process, (self.args, names))
+        info = self.start_schedulers(names)
         info["tokenizer_path"] = self.args.tokenizer_path or info["model_dir"]
         self._start_and_wait("detokenizer", run_detokenizer_process,
                              (self.args.log_level, info["tokenizer_path"], names))
         return info
 
+    def start_schedulers(self, names) -> dict:
+        """The scheduler, or with --tp-size one per rank this node runs (server/tp_launch.py), all started
+        before any is waited for (they join one process group); returns rank 0's (or the first's) info."""
+        from treespec.server.scheduler_process import run_scheduler_process
+
+        if self.args.tp_size == 1:
+            return self._start_and_wait("scheduler", run_scheduler_process, (self.args, names))
+        from treespec.server.tp_launch import local_placements
+
+        readers = {name: self._spawn(name, run_scheduler_process,
+                                     (self.args, names if placement.rank == 0 else None), (placement,))
+                   for name, placement in local_placements(self.args)}
+        infos = self._wait_ready(readers)
+        return infos[next(iter(readers))]
+
     def _start_and_wait(self, name: str, target, args: tuple) -> dict:
+        return self._wait_ready({name: self._spawn(name, target, args)})[name]
+
+    def _spawn(self, name: str, target, args: tuple, extra: tuple = ()):
+        """Start target(*args, ready_pipe, *extra) in a child; returns the pipe's reading end."""
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=target, args=(*args, writer), name=f"treespec-{name}", daemon=True)
+        proc = ctx.Process(target=target, args=(*args, writer, *extra), name=f"treespec-{name}", daemon=True)
         proc.start()
         writer.close()
         self.procs[name] = proc
-        return self._wait_ready({name: reader})[name]
+        return reader
 
     def _wait_ready(self, readers: dict) -> dict:
         infos: dict = {}
@@ -225,6 +243,10 @@ def _serve(launcher: Launcher, args: ServerArgs) -> int:
     from treespec.server.tokenizer_manager import TokenizerManager
     from treespec.tokenizer import load_tokenizer
 
+    if args.node_rank > 0:  # another machine's ranks of a multi-node --tp-size: no HTTP here
+        from treespec.server.tp_launch import serve_ranks_only
+
+        return serve_ranks_only(launcher)
     _check_port_free(args.host, args.port)
     names = IpcNames.in_dir(launcher.sock_dir)
     info = launcher.start_children(names)

@@ -5,6 +5,12 @@ run one scheduler step when there is work, push the step's outputs (new token id
 A queued request's detokenization settings go to the detokenizer once, ahead of its outputs; a refused
 request and control replies (stats, flush_cache) go straight to the TokenizerManager, except a request
 refused after it was queued (its grammar did not compile), whose ReqError goes by way of the detokenizer.
+
+Tensor parallelism (`--tp-size N`, SGLang's design): one such process per rank, each with its own
+Scheduler over its shard of the model. Rank 0 alone reads the socket; every loop it broadcasts the raw
+messages it read (possibly none) to the other ranks, and every rank handles the same messages in the same
+order, so all take the same scheduling decisions and join the model's collectives in step. Only rank 0
+sends anything (outputs, refusals, control replies); a control request runs on every rank.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import time
 import traceback
 from collections import deque
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -36,6 +42,10 @@ from treespec.server.io_struct import (
 )
 from treespec.server.proc_util import ParentWatch, make_socket, setup_child
 
+if TYPE_CHECKING:
+    from treespec.distributed.parallel_state import TPGroup
+    from treespec.distributed.placement import TPPlacement
+
 logger = logging.getLogger("treespec.scheduler_process")
 
 IDLE_POLL_MS = 500
@@ -43,14 +53,26 @@ THROUGHPUT_WINDOW_S = 10.0
 LOG_INTERVAL_S = 30.0
 
 
+class _NoSend:
+    """The sockets of a rank other than 0: it computes what rank 0 sends, and drops it."""
+
+    def send(self, data: bytes) -> None:
+        pass
+
+
 class SchedulerLoop:
-    def __init__(self, scheduler, names: IpcNames, ctx: zmq.Context) -> None:
+    def __init__(self, scheduler, names: IpcNames | None, ctx: zmq.Context, tp: TPGroup | None = None) -> None:
         self.scheduler = scheduler
-        self.recv_sock = make_socket(ctx, zmq.PULL, bind=names.scheduler_input)
-        self.to_detok = make_socket(ctx, zmq.PUSH, connect=names.detokenizer_input)
-        self.to_tokenizer = make_socket(ctx, zmq.PUSH, connect=names.tokenizer_input)
+        self.tp = tp
+        self.is_first_rank = tp is None or tp.is_first
         self.poller = zmq.Poller()
-        self.poller.register(self.recv_sock, zmq.POLLIN)
+        if self.is_first_rank:
+            self.recv_sock = make_socket(ctx, zmq.PULL, bind=names.scheduler_input)
+            self.to_detok = make_socket(ctx, zmq.PUSH, connect=names.detokenizer_input)
+            self.to_tokenizer = make_socket(ctx, zmq.PUSH, connect=names.tokenizer_input)
+            self.poller.register(self.recv_sock, zmq.POLLIN)
+        else:
+            self.to_detok = self.to_tokenizer = _NoSend()
         self.watch = ParentWatch()
         self.num_aborted = 0
         self.samples: deque[tuple[float, int]] = deque()
@@ -70,17 +92,24 @@ class SchedulerLoop:
         logger.info("launcher is gone; scheduler exits")
 
     def recv_requests(self, block: bool) -> None:
-        if block and not self.poller.poll(IDLE_POLL_MS):
-            return
-        while True:
-            try:
-                raw = self.recv_sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        frames = self.recv_frames(block) if self.is_first_rank else None
+        if self.tp is not None:  # every rank, every loop: the same messages in the same order
+            frames = self.tp.broadcast_frames(frames)
+        for raw in frames:
             try:
                 self.handle(decode(raw))
             except MessageError as e:
                 logger.error("dropping a malformed message: %s", e)
+
+    def recv_frames(self, block: bool) -> list[bytes]:
+        frames: list[bytes] = []
+        if block and not self.poller.poll(IDLE_POLL_MS):
+            return frames
+        while True:
+            try:
+                frames.append(self.recv_sock.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return frames
 
     def handle(self, msg: Any) -> None:
         if isinstance(msg, GenerateReq):
@@ -133,7 +162,7 @@ class SchedulerLoop:
 
     def maybe_log(self) -> None:
         now = time.monotonic()
-        if now - self.last_log < LOG_INTERVAL_S:
+        if now - self.last_log < LOG_INTERVAL_S or not self.is_first_rank:
             return
         self.last_log = now
         st = self.scheduler.get_stats()
@@ -155,33 +184,45 @@ class SchedulerLoop:
             except AssertionError as e:
                 logger.error("KV pool out of balance: %s", e)
                 balanced = False
+            if self.tp is not None:  # every rank runs this control request: balanced on all of them
+                balanced = self.tp.all_ranks_true(balanced)
         self.record_throughput()
         (t0, g0), (t1, g1) = self.samples[0], self.samples[-1]
         stats["gen_throughput"] = (g1 - g0) / (t1 - t0) if t1 > t0 else 0.0
         stats["num_aborted_reqs"] = self.num_aborted
         stats["kv_pool_balanced"] = balanced
         stats["uptime_s"] = time.time() - self.scheduler.start_time
+        stats["tp_size"] = 1 if self.tp is None else self.tp.size
         return stats
 
 
-def run_scheduler_process(args: ServerArgs, names: IpcNames, ready: Connection) -> None:
+def run_scheduler_process(args: ServerArgs, names: IpcNames | None, ready: Connection,
+                          placement: TPPlacement | None = None) -> None:
     """Process entry point: resolve and load the model, report readiness (with the model folder, whose
-    tokenizer the other processes load) on `ready`, then serve forever."""
-    setup_child("scheduler", args.log_level)
+    tokenizer the other processes load) on `ready`, then serve forever. With `placement`, this is one
+    tensor-parallel rank: join the group first, then load this rank's shard."""
+    setup_child("scheduler" if placement is None else f"scheduler TP{placement.rank}", args.log_level)
     ctx = zmq.Context()
+    tp = None
     try:
         from treespec.args import ArgError
+        from treespec.distributed.sharding import ShardingError
         from treespec.model_loader import ModelPathError
         from treespec.scheduler import Scheduler
         from treespec.tokenizer import load_tokenizer
 
         try:
-            scheduler = Scheduler(args)
-        except (ArgError, ModelPathError) as e:  # a bad --model-path / --device / draft head: the message names it
+            device = rank_device(args, placement)
+            if placement is not None:
+                from treespec.distributed.parallel_state import init_tp_group
+
+                tp = init_tp_group(placement, device)
+            scheduler = Scheduler(args, tp=tp, device=device)
+        except (ArgError, ModelPathError, ShardingError) as e:  # a bad --model-path / --device / draft head / TP split: the message names it
             ready.send({"status": "error", "message": str(e), "user_error": True})
             return
         scheduler.tokenizer = load_tokenizer(args.tokenizer_path or scheduler.model_dir)
-        loop = SchedulerLoop(scheduler, names, ctx)
+        loop = SchedulerLoop(scheduler, names, ctx, tp)
     except Exception as e:  # report the load failure to the launcher, which prints it and exits
         ready.send({"status": "error", "message": f"{type(e).__name__}: {e}",
                     "traceback": traceback.format_exc()})
@@ -205,3 +246,25 @@ def run_scheduler_process(args: ServerArgs, names: IpcNames, ready: Connection) 
         raise SystemExit(1) from None
     finally:
         ctx.destroy(linger=0)
+        if tp is not None:
+            from treespec.distributed.parallel_state import destroy_tp_group
+
+            destroy_tp_group(tp)
+
+
+def rank_device(args: ServerArgs, placement: TPPlacement | None):
+    """This rank's device: --device, and under tensor parallelism on CUDA the GPU after it by the rank's
+    place on its node (cuda:N + local rank). Threads: the node's cores shared among its ranks."""
+    import os
+
+    import torch
+
+    device = args.torch_device()
+    if placement is None:
+        return device
+    local_rank = placement.rank % placement.ranks_per_node
+    if device.type == "cuda":
+        return torch.device("cuda", (device.index or 0) + local_rank)
+    if not args.num_threads:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // placement.ranks_per_node))
+    return device

@@ -111,6 +111,11 @@ class ServerArgs:
     # data parallel: replicas behind sglang-router (server/dp_launcher.py)
     dp_size: int = 1
     router_policy: str = "cache_aware"
+    # tensor parallelism: one scheduler + model shard per rank over torch.distributed (treespec/distributed)
+    tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # host:port of rank 0's node (default: a free local port)
 
     def resolve(self) -> ResolvedArgs:
         """Check every flag (each error names its flag) and resolve every "auto". `self` is not changed:
@@ -133,6 +138,7 @@ class ServerArgs:
                "needs the radix cache (a jump-forward re-prefills the request over its cached prefix)")
         self._check_ngram()
         self._check_data_parallel()
+        self._check_tensor_parallel()
         hybrid = self.speculative_hybrid_ngram_tokens
         _check(hybrid is None or hybrid >= 0, "--speculative-hybrid-ngram-tokens", "must be >= 0 (0: no n-gram nodes)")
         spec = self._resolve_speculative()
@@ -151,9 +157,22 @@ class ServerArgs:
     def _check_data_parallel(self) -> None:
         _check(self.dp_size >= 1, "--dp-size", "must be a positive integer")
         _check(self.router_policy in ROUTER_POLICIES, "--router-policy", f"must be one of {', '.join(ROUTER_POLICIES)}")
+        _check(self.dp_size == 1 or self.tp_size == 1, "--dp-size", "cannot be combined with --tp-size > 1 yet "
+               "(each replica would need its own group of ranks and devices)")
         _check(self.dp_size == 1 or router_installed(), "--dp-size",
                f"{self.dp_size} runs the replicas behind sglang-router, which is not installed here; install the "
                "extra: pip install 'treespec[router]' (make install does)")
+    def _check_tensor_parallel(self) -> None:
+        _check(self.tp_size >= 1, "--tp-size", "must be a positive integer")
+        _check(self.nnodes >= 1, "--nnodes", "must be a positive integer")
+        _check(self.tp_size % self.nnodes == 0, "--nnodes", f"must divide --tp-size {self.tp_size} (ranks per node)")
+        _check(0 <= self.node_rank < self.nnodes, "--node-rank", f"must be in [0, --nnodes {self.nnodes})")
+        _check(self.nnodes == 1 or self.dist_init_addr is not None, "--dist-init-addr",
+               "is required with --nnodes > 1 (host:port of node 0, reachable from every node)")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            _check(bool(host) and port.isdigit() and 0 < int(port) < 65536, "--dist-init-addr",
+                   f"must be host:port, got {self.dist_init_addr!r}")
 
     def _check_ngram(self) -> None:
         """The NGRAM flags (checked whatever the algorithm, so a bad value never waits to bite)."""
@@ -326,6 +345,11 @@ FLAG_HELP = {
                "sglang-router on --port (needs the treespec[router] extra)",
     "router_policy": "with --dp-size > 1: sglang-router's routing policy (cache_aware: the replica holding "
                      "the longest prefix of the prompt, balanced by load)",
+    "tp_size": "tensor-parallel ranks: the model's heads, MLP and vocabulary split over this many scheduler "
+               "processes (gloo on CPU, NCCL on CUDA: one GPU per rank)",
+    "nnodes": "machines the --tp-size ranks span (each runs --tp-size / --nnodes ranks)",
+    "node_rank": "this machine's index among --nnodes (0 serves HTTP; others run their ranks only)",
+    "dist_init_addr": "host:port where rank 0's node listens for the others to join (required with --nnodes > 1)",
 }
 
 

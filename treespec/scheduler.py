@@ -44,6 +44,7 @@ GRAMMAR_WAIT_S = 0.05  # an idle step waits this long for a grammar being compil
 MIN_JUMP_FORWARD_TOKENS = 2
 
 if TYPE_CHECKING:
+    from treespec.distributed.parallel_state import TPGroup
     from treespec.speculative.step_result import SpecStepResult, SpecWorker
 
 
@@ -55,9 +56,12 @@ def _retraction_order(req: Req) -> tuple:
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs) -> None:
+    def __init__(self, args: ServerArgs, tp: TPGroup | None = None, device: torch.device | None = None) -> None:
+        """`tp`: this rank's tensor-parallel group, whose ranks each run a Scheduler on the same inputs
+        (server/scheduler_process.py) and so take the same decisions; `device`: this rank's device."""
         self.args = args
-        self.device = args.torch_device()
+        self.tp = tp
+        self.device = device or args.torch_device()
         self.dtype = args.torch_dtype()
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
@@ -65,7 +69,8 @@ class Scheduler:
         pool_size = args.max_total_tokens or DEFAULT_KV_TOKENS
         self.runner = ModelRunner(self.model_dir, self.dtype, self.device, pool_size, args.context_length,
                                   packed_linear=not args.disable_packed_linear,
-                                  block_quant=not args.disable_block_quant)
+                                  block_quant=not args.disable_block_quant, tp=tp,
+                                  keep_full_vocab=args.speculative_algorithm in ("EAGLE", "EAGLE3"))
         self.model_config = self.runner.config
         self.context_len = self.runner.context_len
         self.vocab_size = self.model_config.vocab_size
@@ -232,6 +237,10 @@ class Scheduler:
     def _resolve_grammars(self) -> None:
         """Give each waiting request whose grammar has compiled its matcher; drop (into `refused`) those
         whose grammar failed."""
+        if self.tp is not None:
+            # when a compile finishes is timing, which differs by rank: under tensor parallelism every
+            # rank waits for its grammars, so all admit the same requests in the same step
+            concurrent.futures.wait([r.grammar_future for r in self.waiting if r.grammar_future is not None])
         for req in [r for r in self.waiting if r.grammar_future is not None and r.grammar_future.done()]:
             future, req.grammar_future = req.grammar_future, None
             error = future.exception()

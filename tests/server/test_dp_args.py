@@ -19,6 +19,8 @@ def test_dp_size_and_router_policy_are_checked():
         ServerArgs(dp_size=0).resolve()
     with pytest.raises(ArgError, match="^--router-policy: must be one of cache_aware"):
         ServerArgs(router_policy="fastest").resolve()
+    with pytest.raises(ArgError, match="^--dp-size: cannot be combined with --tp-size"):
+        ServerArgs(dp_size=2, tp_size=2).resolve()
     resolved = ServerArgs().resolve()
     assert (resolved.dp_size, resolved.router_policy) == (1, "cache_aware")
 

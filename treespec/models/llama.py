@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -13,6 +14,9 @@ from treespec.models.config import ModelConfig
 from treespec.models.layer_stack import LayerStack
 from treespec.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope, use_cpu_kernels
 from treespec.models.packed_linear import PackedWeight, head_logits, pack_linears, pack_weight, packing_layout
+
+if TYPE_CHECKING:
+    from treespec.distributed.parallel_state import TPGroup
 
 
 class Attention(nn.Module):
@@ -60,8 +64,11 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup | None = None) -> None:
         super().__init__()
+        # tensor parallel: o_proj and down_proj hold this rank's input columns; their partial outputs
+        # are summed over the ranks (treespec/distributed/sharding.py)
+        self.tp = tp
         self.self_attn = Attention(cfg, layer_id)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -71,16 +78,31 @@ class DecoderLayer(nn.Module):
         # .forward, not __call__: Module.__call__'s hook bookkeeping costs ~5 us a call on the CPU dev
         # machine, ~10 calls per layer, and nothing here uses hooks
         attn_out = self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, batch, ctx)
+        if self.tp is not None:
+            attn_out = self.tp.all_reduce(attn_out)
         h, normed = self.post_attention_layernorm.add_forward(attn_out, h)
-        return h + self.mlp.forward(normed)
+        mlp_out = self.mlp.forward(normed)
+        if self.tp is not None:
+            mlp_out = self.tp.all_reduce(mlp_out)
+        return h + mlp_out
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup | None = None,
+                 vocab_size: int | None = None) -> None:
+        """With `tp`, `cfg` holds one rank's sizes (distributed/sharding.py local_config) and
+        `vocab_size` the whole vocabulary, to which the gathered logits are cut."""
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.tp = tp
+        self.vocab_size = vocab_size or cfg.vocab_size
+        if tp is None:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        else:
+            from treespec.distributed.parallel_layers import VocabParallelEmbedding
+
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         if not cfg.tie_word_embeddings:
@@ -99,7 +121,8 @@ class LlamaForCausalLM(nn.Module):
         pack_linears(self.layers, device, dtype, fused)
         self.packed_lm_head = pack_weight(self.lm_head_weight, block_quant=fused.get("lm_head"))
         use_cpu_kernels(self)
-        self.layer_stack = LayerStack.for_model(self.layers, dtype)
+        # the C++ loop has no collectives: under tensor parallelism the layers keep their all-reduces
+        self.layer_stack = LayerStack.for_model(self.layers, dtype) if self.tp is None else None
         return True
 
     @property
@@ -120,6 +143,8 @@ class LlamaForCausalLM(nn.Module):
         h = self.norm.forward(h)
         rows = h if batch.logits_indices is None else h[batch.logits_indices]
         logits = head_logits(rows, self.lm_head_weight, self.packed_lm_head)
+        if self.tp is not None:  # vocab-parallel: every rank gets all logits, so all sample alike
+            logits = self.tp.all_gather_last_dim(logits)[:, : self.vocab_size]
         return ModelOutput(
             logits=logits,
             hidden_states=h if return_all_hidden else rows,

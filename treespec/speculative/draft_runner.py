@@ -40,14 +40,15 @@ class DraftRunner:
         self.model: DraftModel = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.rotary.to(self.device)
         # shared with the target when the dtypes agree, else a cast copy
-        self.model.set_target_weights(target.model.embed_tokens.weight.to(self.dtype),
-                                      target.model.lm_head_weight.to(self.dtype))
+        # (under tensor parallelism the draft runs whole on every rank: the target's full vocab weights)
+        embed, lm_head = target.vocab_weights()
+        self.model.set_target_weights(embed.to(self.dtype), lm_head.to(self.dtype))
         if token_map_path is not None:
             if model.algorithm != "EAGLE":
                 raise ValueError("--speculative-token-map applies to EAGLE heads; EAGLE-3 heads bring their own")
             self.model.restrict_vocab(load_token_map(token_map_path, tcfg.vocab_size))
         if target.packed_linear and pack_linears(self.model, self.device, self.dtype):
-            shared = self.model.uses_target_head and self.dtype == target.dtype
+            shared = self.model.uses_target_head and self.dtype == target.dtype and target.tp is None
             self.model.packed_head = target.model.packed_lm_head if shared else pack_weight(self.model.head_weight)
             use_cpu_kernels(self.model)
         self.config = dcfg
