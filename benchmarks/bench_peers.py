@@ -10,7 +10,8 @@ model), and `llama-server -m FILE -t THREADS -c 16384 -np 16` (how to build it: 
 Prompts: held-out ShareGPT chat turns (benchmarks/spec_workloads.py `chat`), chat-templated ids sent as
 ids to every system, so tokenization cannot differ. Batch 1: each prompt goes to every system in turn,
 the order rotating prompt by prompt, so machine drift hits all alike. Concurrency c: all prompts at most
-c in flight, whole passes in the order A B C C B A. Tokens/s = completion tokens / wall time of the
+c in flight, whole passes in the order A B C C B A. With --passes N every pass takes its own prompts
+(a repeated prompt would be drafted from its own earlier answer by the default's n-gram corpus). Tokens/s = completion tokens / wall time of the
 requests (prefill included), each system stopping at its own EOS or `--max-new-tokens`. "equal" counts
 prompts whose greedy token ids equal treespec plain's (llama.cpp's Q4_1 path quantizes activations to
 8 bits, so its text may differ). Prints a table with the host's CPU model and flags and each system's
@@ -136,7 +137,8 @@ def llama_cpp_version(binary: str) -> str:
     return lines[0].split(":", 1)[1].strip() if lines else "unknown"
 
 
-def start_llama_server(binary: str, gguf: Path, threads: int, extra: str, timeout: float = 600) -> System:
+def start_llama_server(binary: str, gguf: Path, threads: int, extra: str, version: str | None = None,
+                       timeout: float = 600) -> System:
     from treespec.server.testing import free_port
 
     port = free_port()
@@ -159,7 +161,7 @@ def start_llama_server(binary: str, gguf: Path, threads: int, extra: str, timeou
             raise RuntimeError(f"llama-server exited with {proc.returncode}; log: {log.name}")
         try:
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return System("llama.cpp", url, "llama.cpp", llama_cpp_version(binary), stop)
+                return System("llama.cpp", url, "llama.cpp", version or llama_cpp_version(binary), stop)
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
@@ -180,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llama-server", default=None, help="path of llama-server (default: PATH; none: treespec alone)")
     p.add_argument("--llama-args", default="", help="extra llama-server flags, e.g. '--spec-type ngram-simple'")
     p.add_argument("--threads", type=int, default=2, help="llama-server -t")
+    p.add_argument("--llama-version", default=None,
+                   help="llama.cpp's version as reported (a build from the PyPI sdist reports build 0)")
     p.add_argument("--treespec-args", default="", help="extra flags for both treespec servers")
     p.add_argument("--no-default", action="store_true", help="skip the treespec server with default flags")
     p.add_argument("--num-prompts", type=int, default=16)
@@ -206,19 +210,24 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_default:
             systems.append(start_treespec("treespec-default", common))
         if binary:
-            systems.append(start_llama_server(binary, gguf, args.threads, args.llama_args))
+            systems.append(start_llama_server(binary, gguf, args.threads, args.llama_args, args.llama_version))
         model = httpx.get(f"{systems[0].base_url}/model_info", timeout=60).json()
         tokenizer = load_tokenizer(model["tokenizer_path"] or model["model_path"])
-        prompts = workload_prompts("chat", tokenizer, args.num_prompts)
+        # each pass its own prompts: the default server's n-gram corpus remembers earlier outputs, so a
+        # repeated prompt would be drafted from its own previous answer (measured: 1.9x plain, not 1.0x)
+        all_prompts = workload_prompts("chat", tokenizer, args.num_prompts * args.passes)
+        prompts = all_prompts[: args.num_prompts]
         host = cpu_flags()
         print(f"host: {host}\nfile: {gguf}\n" + "\n".join(f"{s.name}: {s.version}" for s in systems)
-              + f"\n{len(prompts)} held-out chat prompts, up to {args.max_new_tokens} new tokens, greedy, "
-              f"{args.passes} pass(es)", flush=True)
+              + f"\n{len(prompts)} held-out chat prompts per pass, up to {args.max_new_tokens} new tokens, greedy, "
+              f"{args.passes} pass(es) on distinct prompts", flush=True)
+        warm = [tokenizer.encode("Hello there.")]  # not a measured prompt: nothing of it in any cache
         for s in systems:  # warm-up: kernels, allocators, first-request paths
-            asyncio.run(concurrent(s, prompts[:1], 8, 1))
+            asyncio.run(concurrent(s, warm, 8, 1))
         print(f"{'mode':<5} {'system':<17} {'n':>3} {'tokens':>6} {'tok/s':>8} {'vs l.cpp':>8} {'vs plain':>8} equal")
         rows = []
-        for _ in range(args.passes):
+        for pass_index in range(args.passes):
+            prompts = all_prompts[pass_index * args.num_prompts : (pass_index + 1) * args.num_prompts]
             outs = asyncio.run(batch1(systems, prompts, args.max_new_tokens))
             secs = {k: sum(c.seconds for c in v) for k, v in outs.items()}
             rows += summarize("bs1", outs, secs)
