@@ -14,6 +14,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <vector>
 
 constexpr int64_t kPanel = 16;  // output columns per panel: two ymm registers
@@ -256,6 +258,63 @@ static inline void vstore(float* p, V v) { _mm512_store_ps(p, v.v); }
 }  // namespace quant_avx512
 #pragma GCC pop_options
 
+// --- Many rows (prefill chunks, large batches): rebuild a group's weights once into fp32 panels ---------
+// A block-quant tile rebuilds every weight for each 4 rows it serves: one fma per 16 weights beside
+// the 4 that use them, a fifth of the fma pipe. A row block of at least kRebuiltRows rows instead
+// rebuilds a group's two panels (every k) into fp32 scratch once and runs the fp32 panel kernel
+// (6-row tiles) over it: the same fp32 weights (fma(scale, code, min), rounded once) and the same fma
+// chains over k in order, so the same bits as the quant tiles and as `linear` on the dequantized weight.
+constexpr int64_t kRebuiltRows = 32;
+
+// The fp32 [k_dim, 16] panels of group `group` (both of them; panels past the weight's last are
+// zeros' rebuilds and never read back).
+template <int BITS>
+static void rebuild_group(const uint8_t* data, int64_t group, int64_t k_dim, int64_t block_bytes, float* panels) {
+  constexpr int kPerWord = 32 / BITS;
+  constexpr uint32_t kMask = (1u << BITS) - 1;
+  const int64_t blocks = k_dim / kQuantBlock;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = data + (group * blocks + b) * block_bytes;
+    for (int64_t h = 0; h < kGroupPanels; ++h) {
+      uint16_t raw[2 * kPanel];  // the panel's fp16 scales, then its mins
+      std::memcpy(raw, block + h * kPanel * 4, sizeof(raw));
+      float scale[kPanel], min[kPanel];
+      for (int64_t c = 0; c < kPanel; ++c) {
+        scale[c] = static_cast<float>(c10::Half(raw[c], c10::Half::from_bits()));
+        min[c] = static_cast<float>(c10::Half(raw[kPanel + c], c10::Half::from_bits()));
+      }
+      float* out = panels + (h * k_dim + b * kQuantBlock) * kPanel;
+      for (int64_t r = 0; r < kQuantBlock / kPerWord; ++r) {
+        uint32_t words[kPanel];  // row r of the codes, this panel's columns
+        std::memcpy(words, block + kQuantHeader + (r * kGroupCols + h * kPanel) * 4, sizeof(words));
+        for (int t = 0; t < kPerWord; ++t) {
+          float* row = out + (r * kPerWord + t) * kPanel;
+          for (int64_t c = 0; c < kPanel; ++c)
+            row[c] = std::fma(scale[c], static_cast<float>((words[c] >> (t * BITS)) & kMask), min[c]);
+        }
+      }
+    }
+  }
+}
+
+// rows x all panels, through rebuilt fp32 panels: threads split whole groups, each rebuilt once.
+static void rebuilt_rows(const float* x, int64_t rows, int64_t k_dim, const uint8_t* data, int64_t block_bytes,
+                         int64_t bits, float* y, int64_t n, const float* bias) {
+  const int64_t panels = (n + kPanel - 1) / kPanel, groups = (n + kGroupCols - 1) / kGroupCols;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(kGroupPanels * k_dim * kPanel);
+    for (int64_t g = begin; g < end; ++g) {
+      if (bits == 4) rebuild_group<4>(data, g, k_dim, block_bytes, scratch.data());
+      else rebuild_group<8>(data, g, k_dim, block_bytes, scratch.data());
+      for (int64_t h = 0; h < kGroupPanels && g * kGroupPanels + h < panels; ++h) {
+        const int64_t p = g * kGroupPanels + h;
+        panel_rows(x, rows, k_dim, scratch.data() + h * k_dim * kPanel, y + p * kPanel, n,
+                   bias ? bias + p * kPanel : nullptr, std::min(kPanel, n - p * kPanel));
+      }
+    }
+  });
+}
+
 // Whether this CPU runs the AVX-512 block-quant path (F, BW, VL, DQ), checked by the CPU itself
 bool cpu_has_avx512() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -289,6 +348,10 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, c10::optional<
     const int64_t block = std::min(kRowBlock, rows - m0);
     const float* xb = xp + m0 * k_dim;
     float* yb = yp + m0 * n;
+    if (block >= kRebuiltRows) {
+      rebuilt_rows(xb, block, k_dim, data, block_bytes, bits, yb, n, bp);
+      continue;
+    }
     // threads split whole groups: no two share a cache line of codes
     at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
       const int64_t p0 = begin * kGroupPanels, p1 = std::min(panels, end * kGroupPanels);
