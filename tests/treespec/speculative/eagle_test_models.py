@@ -182,3 +182,13 @@ def random_head(path: Path, algorithm: str, target_dir: Path, seed: int = 1, std
                   "draft_vocab_ids": ids[: tcfg.vocab_size // 2].sort().values if reduced_vocab else None}
     save_draft(create_draft_model(algorithm, tcfg, 512, init_std=std, seed=seed, **kwargs), path)
     return path
+
+
+def generate_in_batches(engine, prompts: list[list[int]], params: list[dict], batch_size: int) -> list[list[int]]:
+    """Greedy output ids of every prompt, `batch_size` at a time; the KV pool must balance after each batch."""
+    outs: list[list[int]] = []
+    for i in range(0, len(prompts), batch_size):
+        res = engine.generate(input_ids=prompts[i : i + batch_size], sampling_params=params[i : i + batch_size])
+        outs += [r["output_ids"] for r in res]
+        engine.check_pool_balance()
+    return outs

@@ -11,7 +11,7 @@ import random
 
 import pytest
 from eagle3_formats import lookup_speculators_head, lookup_two_layer_head
-from eagle_test_models import Lookup, lookup_target
+from eagle_test_models import Lookup, generate_in_batches, lookup_target
 
 from treespec.engine import Engine
 from treespec.models.draft_config import DraftHeadError
@@ -46,12 +46,7 @@ def spec_engine(dirs, head: str) -> Engine:
 
 
 def run(engine: Engine, batch_size: int) -> list[list[int]]:
-    outs: list[list[int]] = []
-    for i in range(0, len(PROMPTS), batch_size):
-        res = engine.generate(input_ids=PROMPTS[i : i + batch_size], sampling_params=PARAMS[i : i + batch_size])
-        outs += [r["output_ids"] for r in res]
-        engine.check_pool_balance()
-    return outs
+    return generate_in_batches(engine, PROMPTS, PARAMS, batch_size)
 
 
 @pytest.mark.parametrize("head", ["speculators", "two_layer", "speculators_read_without_nbr"])

@@ -8,6 +8,7 @@ import random
 import pytest
 from eagle_test_models import (
     Lookup,
+    generate_in_batches,
     lookup_eagle3_head,
     lookup_eagle_head,
     lookup_target,
@@ -49,12 +50,7 @@ def model_dirs(tmp_path_factory) -> dict:
 
 
 def run_all(engine: Engine, batch_size: int) -> list[list[int]]:
-    outs: list[list[int]] = []
-    for i in range(0, len(PROMPTS), batch_size):
-        res = engine.generate(input_ids=PROMPTS[i : i + batch_size], sampling_params=PARAMS[i : i + batch_size])
-        outs += [r["output_ids"] for r in res]
-        engine.check_pool_balance()
-    return outs
+    return generate_in_batches(engine, PROMPTS, PARAMS, batch_size)
 
 
 @pytest.fixture(scope="module")
