@@ -66,7 +66,9 @@ def instrument(engine, timer: Timer) -> None:
         for name in ("draft_topk", "select_top_k_tokens", "organize_draft_results", "make_draft_tree"):
             setattr(eagle_worker, name, timer.wrap("draft expansion + tree build", getattr(eagle_worker, name)))
         if getattr(worker, "ngram", None) is not None:
-            worker._add_ngram_nodes = timer.wrap("n-gram drafts + merge", worker._add_ngram_nodes)
+            worker._ngram_drafts = timer.wrap("n-gram drafts + merge", worker._ngram_drafts)
+        worker.wants_drafts = timer.wrap("plain-or-speculate check", worker.wants_drafts)
+        worker._assemble_tree = timer.wrap("n-gram drafts + merge", worker._assemble_tree)
     step_result.verify_tree_mixed = timer.wrap("acceptance", step_result.verify_tree_mixed)
     step_result.verify_batch = timer.wrap("verify batch build", step_result.verify_batch)
 

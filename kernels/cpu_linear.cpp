@@ -151,6 +151,10 @@ constexpr int64_t kQuantHeader = kGroupPanels * kPanel * 2 * 2;  // per group an
 constexpr int kQuantChains = 4;  // panels per chunk, rows per verify tile
 constexpr int kFloatTwo23Bits = 0x4B000000;  // 2^23 as fp32: ORing an integer below 2^23 into it adds it
 constexpr float kFloatTwo23 = 8388608.0f;
+// Software prefetch of a tile's code stream this many blocks (~2.5 KB at 4 bits) ahead: on an Intel
+// host (Sapphire Rapids) the hardware prefetcher alone left a 1-row decode at ~10 GB/s of a ~28 GB/s
+// memory, and this took a step's matmuls 7.7 -> 6.0 ms; on Zen 4 it measured neutral.
+constexpr int64_t kPrefetchBlocks = 4;
 
 // The block bytes of one group (32 columns x 32 k) for `bits`-bit codes
 static int64_t quant_block_bytes(int64_t bits) { return kQuantHeader + kQuantBlock * kGroupCols * bits / 8; }
@@ -206,6 +210,7 @@ struct VI {
 // Codes shifted down and converted: with 16 registers the in-place scales of the AVX-512 code spill,
 // and the conversion measured faster here than the 2^23 trick (bench_cpu_linear, TREESPEC_CPU_QUANT_ISA=avx2)
 constexpr bool kCodesInPlace = false;
+constexpr int kWideRows = 0;  // no row tile past kQuantChains
 static inline VI vwords(const uint8_t* p) {  // 16 code words
   const auto* q = reinterpret_cast<const __m256i*>(p);
   return {_mm256_loadu_si256(q), _mm256_loadu_si256(q + 1)};
@@ -243,6 +248,7 @@ struct VI {
   __m512i v;
 };
 constexpr bool kCodesInPlace = true;
+constexpr int kWideRows = 8;  // 8-row verify tiles: 8 accumulators beside the rebuild (12 spilled: 2x slower)
 static inline VI vwords(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
 static inline VI vhigh16(VI w) { return {_mm512_srli_epi32(w.v, 16)}; }
 static inline VI vshift(VI w, int bits) { return {_mm512_srli_epi32(w.v, bits)}; }
@@ -262,50 +268,125 @@ static inline void vstore(float* p, V v) { _mm512_store_ps(p, v.v); }
 // A block-quant tile rebuilds every weight for each 4 rows it serves: one fma per 16 weights beside
 // the 4 that use them, a fifth of the fma pipe. A row block of at least kRebuiltRows rows instead
 // rebuilds a group's two panels (every k) into fp32 scratch once and runs the fp32 panel kernel
-// (6-row tiles) over it: the same fp32 weights (fma(scale, code, min), rounded once) and the same fma
+// (6-row ymm tiles; on AVX-512 hosts 12-row zmm tiles over both panels, from kRebuiltRowsAvx512 rows) over it: the same fp32 weights (fma(scale, code, min), rounded once) and the same fma
 // chains over k in order, so the same bits as the quant tiles and as `linear` on the dequantized weight.
 constexpr int64_t kRebuiltRows = 32;
+// With the zmm tile (fp32_avx512) the rebuilt path wins from ~20 rows (bench_cpu_linear, Sapphire Rapids:
+// 24 rows 32 vs 37 ms a step's matmuls, 16 rows 28 vs 26)
+constexpr int64_t kRebuiltRowsAvx512 = 20;
 
 // The fp32 [k_dim, 16] panels of group `group` (both of them; panels past the weight's last are
-// zeros' rebuilds and never read back).
+// zeros' rebuilds and never read back). AVX2: 8 columns a vector, each weight fma(scale, code, min) as
+// in the tiles, so the same fp32 values.
 template <int BITS>
 static void rebuild_group(const uint8_t* data, int64_t group, int64_t k_dim, int64_t block_bytes, float* panels) {
   constexpr int kPerWord = 32 / BITS;
-  constexpr uint32_t kMask = (1u << BITS) - 1;
+  const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
   const int64_t blocks = k_dim / kQuantBlock;
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = data + (group * blocks + b) * block_bytes;
     for (int64_t h = 0; h < kGroupPanels; ++h) {
-      uint16_t raw[2 * kPanel];  // the panel's fp16 scales, then its mins
-      std::memcpy(raw, block + h * kPanel * 4, sizeof(raw));
-      float scale[kPanel], min[kPanel];
-      for (int64_t c = 0; c < kPanel; ++c) {
-        scale[c] = static_cast<float>(c10::Half(raw[c], c10::Half::from_bits()));
-        min[c] = static_cast<float>(c10::Half(raw[kPanel + c], c10::Half::from_bits()));
-      }
+      const auto* header = reinterpret_cast<const __m128i*>(block + h * kPanel * 4);  // 16 scales, 16 mins
+      const __m256 scale[2] = {_mm256_cvtph_ps(_mm_loadu_si128(header)), _mm256_cvtph_ps(_mm_loadu_si128(header + 1))};
+      const __m256 min[2] = {_mm256_cvtph_ps(_mm_loadu_si128(header + 2)), _mm256_cvtph_ps(_mm_loadu_si128(header + 3))};
       float* out = panels + (h * k_dim + b * kQuantBlock) * kPanel;
       for (int64_t r = 0; r < kQuantBlock / kPerWord; ++r) {
-        uint32_t words[kPanel];  // row r of the codes, this panel's columns
-        std::memcpy(words, block + kQuantHeader + (r * kGroupCols + h * kPanel) * 4, sizeof(words));
+        const auto* words = reinterpret_cast<const __m256i*>(block + kQuantHeader + (r * kGroupCols + h * kPanel) * 4);
+        const __m256i w[2] = {_mm256_loadu_si256(words), _mm256_loadu_si256(words + 1)};
+#pragma GCC unroll 8
         for (int t = 0; t < kPerWord; ++t) {
           float* row = out + (r * kPerWord + t) * kPanel;
-          for (int64_t c = 0; c < kPanel; ++c)
-            row[c] = std::fma(scale[c], static_cast<float>((words[c] >> (t * BITS)) & kMask), min[c]);
+#pragma GCC unroll 2
+          for (int v = 0; v < 2; ++v) {
+            const __m256 code = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w[v], t * BITS), mask));
+            _mm256_storeu_ps(row + 8 * v, _mm256_fmadd_ps(scale[v], code, min[v]));
+          }
         }
       }
     }
   }
 }
 
+// The fp32 tile over a rebuilt group in zmm registers: ROWS rows x the group's 32 columns (both panels),
+// 2 x ROWS accumulators. Each output is still one fma chain over k in order, so the bits are
+// panel_kernel's; on an Intel core with two 512-bit fma ports this does ~1.8x the ymm kernel's fmas
+// per cycle (Zen 4 splits a zmm fma in two: the same rate). Compiled for AVX-512 whatever the flags.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+namespace fp32_avx512 {
+constexpr int kMaxRows = 12;  // 24 accumulators + 2 weights + a broadcast within 32 zmm
+
+template <int ROWS>
+static inline void group_tile(const float* x, int64_t k_dim, const float* panels, float* y, int64_t ldy,
+                              const float* bias, int64_t cols) {
+  const float* p0 = panels;  // [k_dim, 16] each, one after the other
+  const float* p1 = panels + k_dim * kPanel;
+  __m512 lo[ROWS], hi[ROWS];
+#pragma GCC unroll 16
+  for (int m = 0; m < ROWS; ++m) {
+    lo[m] = _mm512_setzero_ps();
+    hi[m] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < k_dim; ++k) {
+    const __m512 w0 = _mm512_loadu_ps(p0 + k * kPanel), w1 = _mm512_loadu_ps(p1 + k * kPanel);
+#pragma GCC unroll 16
+    for (int m = 0; m < ROWS; ++m) {
+      const __m512 xv = _mm512_set1_ps(x[m * k_dim + k]);
+      lo[m] = _mm512_fmadd_ps(xv, w0, lo[m]);
+      hi[m] = _mm512_fmadd_ps(xv, w1, hi[m]);
+    }
+  }
+  alignas(64) float out[2 * kPanel];
+#pragma GCC unroll 16
+  for (int m = 0; m < ROWS; ++m) {
+    _mm512_store_ps(out, lo[m]);
+    _mm512_store_ps(out + kPanel, hi[m]);
+    float* yr = y + m * ldy;
+    for (int64_t c = 0; c < cols; ++c) yr[c] = bias ? out[c] + bias[c] : out[c];
+  }
+}
+
+// rows x one rebuilt group (`cols` of its 32 columns are real)
+static void group_rows(const float* x, int64_t rows, int64_t k_dim, const float* panels, float* y, int64_t ldy,
+                       const float* bias, int64_t cols) {
+  int64_t m = 0;
+  for (; m + kMaxRows <= rows; m += kMaxRows) group_tile<kMaxRows>(x + m * k_dim, k_dim, panels, y + m * ldy, ldy, bias, cols);
+  const float* xr = x + m * k_dim;
+  float* yr = y + m * ldy;
+  switch (rows - m) {
+    case 11: group_tile<11>(xr, k_dim, panels, yr, ldy, bias, cols); break;
+    case 10: group_tile<10>(xr, k_dim, panels, yr, ldy, bias, cols); break;
+    case 9: group_tile<9>(xr, k_dim, panels, yr, ldy, bias, cols); break;
+    case 8: group_tile<8>(xr, k_dim, panels, yr, ldy, bias, cols); break;
+    case 7: group_tile<7>(xr, k_dim, panels, yr, ldy, bias, cols); break;
+    case 6: group_tile<6>(xr, k_dim, panels, yr, ldy, bias, cols); break;
+    case 5: group_tile<5>(xr, k_dim, panels, yr, ldy, bias, cols); break;
+    case 4: group_tile<4>(xr, k_dim, panels, yr, ldy, bias, cols); break;
+    case 3: group_tile<3>(xr, k_dim, panels, yr, ldy, bias, cols); break;
+    case 2: group_tile<2>(xr, k_dim, panels, yr, ldy, bias, cols); break;
+    case 1: group_tile<1>(xr, k_dim, panels, yr, ldy, bias, cols); break;
+    default: break;
+  }
+}
+}  // namespace fp32_avx512
+#pragma GCC pop_options
+
 // rows x all panels, through rebuilt fp32 panels: threads split whole groups, each rebuilt once.
+// avx512: the zmm tile over both of a group's panels at once; else the ymm panel kernel per panel.
 static void rebuilt_rows(const float* x, int64_t rows, int64_t k_dim, const uint8_t* data, int64_t block_bytes,
-                         int64_t bits, float* y, int64_t n, const float* bias) {
+                         int64_t bits, float* y, int64_t n, const float* bias, bool avx512) {
   const int64_t panels = (n + kPanel - 1) / kPanel, groups = (n + kGroupCols - 1) / kGroupCols;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(kGroupPanels * k_dim * kPanel);
     for (int64_t g = begin; g < end; ++g) {
       if (bits == 4) rebuild_group<4>(data, g, k_dim, block_bytes, scratch.data());
       else rebuild_group<8>(data, g, k_dim, block_bytes, scratch.data());
+      if (avx512) {
+        const int64_t col0 = g * kGroupCols;
+        fp32_avx512::group_rows(x, rows, k_dim, scratch.data(), y + col0, n, bias ? bias + col0 : nullptr,
+                                std::min(kGroupCols, n - col0));
+        continue;
+      }
       for (int64_t h = 0; h < kGroupPanels && g * kGroupPanels + h < panels; ++h) {
         const int64_t p = g * kGroupPanels + h;
         panel_rows(x, rows, k_dim, scratch.data() + h * k_dim * kPanel, y + p * kPanel, n,
@@ -348,8 +429,8 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, c10::optional<
     const int64_t block = std::min(kRowBlock, rows - m0);
     const float* xb = xp + m0 * k_dim;
     float* yb = yp + m0 * n;
-    if (block >= kRebuiltRows) {
-      rebuilt_rows(xb, block, k_dim, data, block_bytes, bits, yb, n, bp);
+    if (block >= (avx512 ? kRebuiltRowsAvx512 : kRebuiltRows)) {
+      rebuilt_rows(xb, block, k_dim, data, block_bytes, bits, yb, n, bp, avx512);
       continue;
     }
     // threads split whole groups: no two share a cache line of codes

@@ -27,6 +27,13 @@ static inline void tile(const float* x, int64_t k_dim, const uint8_t* data, int6
 #pragma GCC unroll 16
   for (int a = 0; a < ROWS * PANELS; ++a) acc[a] = vzero();
   for (int64_t b = 0; b < blocks; ++b) {
+    if (kPrefetchBlocks > 0 && b + kPrefetchBlocks < blocks) {
+#pragma GCC unroll 8
+      for (int j = 0; j < PANELS; ++j) {
+        const char* ahead = reinterpret_cast<const char*>(group[j] + (b + kPrefetchBlocks) * block_bytes);
+        for (int64_t line = 0; line < block_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      }
+    }
     V scale[PANELS], min[PANELS];
     const uint8_t* codes[PANELS];
 #pragma GCC unroll 8
@@ -127,13 +134,16 @@ static void tiles(const float* x, int64_t k_dim, const uint8_t* data, int64_t bl
 // from memory once and stay in cache for the remaining row tiles. A decode row takes one group (2
 // panels) at a time: the tile then reads one contiguous stream, which the hardware prefetcher keeps
 // ahead of; tiles over two groups (two streams a core) measured 15-20% slower. Verify rows take
-// 2 x 2 and 4 x 1 tiles.
+// 8 x 1 (AVX-512 only), 4 x 1, 3 x 1, 2 x 2 and 1 x 2 tiles.
 template <int BITS>
 static void quant_rows(const float* x, int64_t rows, int64_t k_dim, const uint8_t* data, int64_t block_bytes,
                        float* y, int64_t ldy, const float* bias, int64_t n, int64_t begin, int64_t end) {
   for (int64_t p0 = begin; p0 < end; p0 += kQuantChains) {
     const int64_t p1 = std::min(end, p0 + kQuantChains);
     int64_t m = 0;
+    if constexpr (kWideRows > kQuantChains)  // AVX-512's 32 registers: one rebuilt weight serves 8 rows
+      for (; m + kWideRows <= rows; m += kWideRows)
+        tiles<BITS, kWideRows, 1>(x + m * k_dim, k_dim, data, block_bytes, y + m * ldy, ldy, bias, n, p0, p1);
     for (; m + kQuantChains <= rows; m += kQuantChains)
       tiles<BITS, kQuantChains, 1>(x + m * k_dim, k_dim, data, block_bytes, y + m * ldy, ldy, bias, n, p0, p1);
     const float* xr = x + m * k_dim;
