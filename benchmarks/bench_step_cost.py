@@ -3,7 +3,8 @@
     python benchmarks/bench_step_cost.py                                   # plain vs the default engine
     python benchmarks/bench_step_cost.py --spec-args speculative_hybrid_ngram_tokens=0 --workload code_edit
 
-Each engine decodes the same prompts (benchmarks/spec_workloads.py) one at a time; the parts of a step
+Both engines decode the same prompts (benchmarks/spec_workloads.py) one at a time, alternating prompt
+by prompt (the order flipping each prompt) so machine drift hits both; the parts of a step
 are timed by wrapping the functions that do them (wall time, nested parts excluded from their parent):
 target forwards by mode (DECODE, TARGET_VERIFY, EXTEND = prefill), draft forwards (DRAFT_DECODE =
 tree steps, DRAFT_EXTEND = catch-up over committed tokens), draft expansion and rerank, tree build,
@@ -27,10 +28,13 @@ from spec_workloads import WORKLOADS, workload_prompts  # noqa: E402
 
 
 class Timer:
-    """Exclusive wall time per named part: a part's time excludes parts timed inside it."""
+    """Exclusive wall time per named part, per engine: a part's time excludes parts timed inside it.
+    Module functions are shared by the engines, so every wrapper records into the `active` engine's
+    totals, which `measure` sets before each request."""
 
     def __init__(self) -> None:
-        self.totals: Counter[str] = Counter()
+        self.totals: dict[str, Counter[str]] = {}
+        self.active = ""
         self.stack: list[list] = []  # [name, start, time spent in children]
 
     def wrap(self, name_of, fn):
@@ -42,59 +46,75 @@ class Timer:
             finally:
                 part, start, children = self.stack.pop()
                 spent = time.perf_counter() - start
-                self.totals[part] += spent - children
+                self.totals.setdefault(self.active, Counter())[part] += spent - children
                 if self.stack:
                     self.stack[-1][2] += spent
         return timed
 
 
-def instrument(engine, timer: Timer) -> None:
-    """Wrap the step's parts (on this engine's objects and the modules the worker calls through)."""
+def instrument_modules(timer: Timer) -> None:
+    """Wrap the module functions a step calls through (once, for every engine)."""
     from treespec import scheduler as sched_mod
     from treespec.speculative import eagle_worker, step_result
 
-    sched = engine.scheduler
-    sched.step = timer.wrap("scheduler (rest)", sched.step)
-    sched.runner.forward = timer.wrap(lambda batch, *a, **k: f"target {batch.mode.name}", sched.runner.forward)
-    sched._commit_spec_tokens = timer.wrap("commit", sched._commit_spec_tokens)
     sched_mod.sample_next_tokens = timer.wrap("sampling", sched_mod.sample_next_tokens)
-    worker = sched.spec_worker
-    if worker is None:
-        return
-    if hasattr(worker, "draft"):
-        worker.draft.forward = timer.wrap(lambda batch, *a, **k: f"draft {batch.mode.name}", worker.draft.forward)
-        for name in ("draft_topk", "select_top_k_tokens", "organize_draft_results", "make_draft_tree"):
-            setattr(eagle_worker, name, timer.wrap("draft expansion + tree build", getattr(eagle_worker, name)))
-        if getattr(worker, "ngram", None) is not None:
-            worker._ngram_drafts = timer.wrap("n-gram drafts + merge", worker._ngram_drafts)
-        worker.wants_drafts = timer.wrap("plain-or-speculate check", worker.wants_drafts)
-        worker._assemble_tree = timer.wrap("n-gram drafts + merge", worker._assemble_tree)
+    for name in ("draft_topk", "select_top_k_tokens", "organize_draft_results", "make_draft_tree"):
+        setattr(eagle_worker, name, timer.wrap("draft expansion + tree build", getattr(eagle_worker, name)))
     step_result.verify_tree_mixed = timer.wrap("acceptance", step_result.verify_tree_mixed)
     step_result.verify_batch = timer.wrap("verify batch build", step_result.verify_batch)
 
 
-def measure(engine_kwargs: dict, prompts: list[list[int]], max_new: int) -> dict:
+def instrument(engine, timer: Timer) -> None:
+    """Wrap the step's parts on this engine's objects."""
+    sched = engine.scheduler
+    sched.step = timer.wrap("scheduler (rest)", sched.step)
+    sched.runner.forward = timer.wrap(lambda batch, *a, **k: f"target {batch.mode.name}", sched.runner.forward)
+    sched._commit_spec_tokens = timer.wrap("commit", sched._commit_spec_tokens)
+    worker = sched.spec_worker
+    if worker is None or not hasattr(worker, "draft"):
+        return
+    worker.draft.forward = timer.wrap(lambda batch, *a, **k: f"draft {batch.mode.name}", worker.draft.forward)
+    if getattr(worker, "ngram", None) is not None:
+        worker._ngram_drafts = timer.wrap("n-gram drafts + merge", worker._ngram_drafts)
+    worker.wants_drafts = timer.wrap("plain-or-speculate check", worker.wants_drafts)
+    worker._assemble_tree = timer.wrap("n-gram drafts + merge", worker._assemble_tree)
+
+
+def load(engine_kwargs: dict, warm_ids: list[int], timer: Timer):
+    """An instrumented, warmed-up engine."""
     from treespec.engine import Engine
 
     engine = Engine(**engine_kwargs)
-    engine.generate(input_ids=prompts[0][:32], sampling_params={"temperature": 0, "max_new_tokens": 8})  # warm-up
-    timer = Timer()
+    engine.generate(input_ids=warm_ids[:32], sampling_params={"temperature": 0, "max_new_tokens": 8})  # warm-up
     instrument(engine, timer)
-    before = dict(engine.get_stats())
-    start = time.perf_counter()
-    tokens = 0
-    for ids in prompts:
-        out = engine.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": max_new})
-        tokens += out["meta_info"]["completion_tokens"]
-    wall = time.perf_counter() - start
-    stats = engine.get_stats()
-    spec_steps = stats["spec_verify_ct"] - before.get("spec_verify_ct", 0)
-    steps = spec_steps or tokens  # plain: one decode step per token (the first comes from the prefill)
-    with contextlib.suppress(Exception):
-        engine.shutdown()
-    return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "decode_steps": steps,
-            "ms_per_step": {k: 1000 * v / steps for k, v in sorted(timer.totals.items())},
-            "outside_step_ms_per_step": 1000 * (wall - sum(timer.totals.values())) / steps}
+    return engine
+
+
+def measure(engines: dict, timer: Timer, prompts: list[list[int]], max_new: int) -> dict:
+    """Each prompt on every engine, the order alternating prompt by prompt so machine drift hits all."""
+    before = {name: dict(engine.get_stats()) for name, engine in engines.items()}
+    timer.totals = {name: Counter() for name in engines}
+    wall: Counter[str] = Counter()
+    tokens: Counter[str] = Counter()
+    for i, ids in enumerate(prompts):
+        order = list(engines) if i % 2 == 0 else list(reversed(engines))
+        for name in order:
+            timer.active = name
+            start = time.perf_counter()
+            out = engines[name].generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": max_new})
+            wall[name] += time.perf_counter() - start
+            tokens[name] += out["meta_info"]["completion_tokens"]
+    results = {}
+    for name, engine in engines.items():
+        stats = engine.get_stats()
+        spec_steps = stats["spec_verify_ct"] - before[name].get("spec_verify_ct", 0)
+        steps = spec_steps or tokens[name]  # plain: one decode step per token (the first comes from the prefill)
+        totals = timer.totals[name]
+        results[name] = {"tokens": tokens[name], "wall_s": wall[name], "tok_s": tokens[name] / wall[name],
+                         "decode_steps": steps,
+                         "ms_per_step": {k: 1000 * v / steps for k, v in sorted(totals.items())},
+                         "outside_step_ms_per_step": 1000 * (wall[name] - sum(totals.values())) / steps}
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,8 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.spec_args:
         key, value = item.split("=", 1)
         spec_kwargs[key] = int(value) if value.lstrip("-").isdigit() else value
-    results = {"plain": measure({"speculative_algorithm": "NONE"}, prompts, args.max_new_tokens),
-               "spec": measure(spec_kwargs, prompts, args.max_new_tokens)}
+    timer = Timer()
+    instrument_modules(timer)
+    engines = {"plain": load({"speculative_algorithm": "NONE"}, prompts[0], timer),
+               "spec": load(spec_kwargs, prompts[0], timer)}
+    results = measure(engines, timer, prompts, args.max_new_tokens)
+    for engine in engines.values():
+        with contextlib.suppress(Exception):
+            engine.shutdown()
     parts = sorted({k for r in results.values() for k in r["ms_per_step"]})
     print(f"{args.workload}, {len(prompts)} prompts, up to {args.max_new_tokens} new tokens, batch 1, greedy")
     print(f"{'part (ms per decode step)':<32} {'plain':>8} {'spec':>8}")
@@ -125,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                                                           for r in results.values()))
     for name, r in results.items():
         print(f"{name}: {r['tok_s']:.1f} tok/s, {r['tokens'] / r['decode_steps']:.2f} tokens per decode step")
+    print(f"spec / plain: {results['spec']['tok_s'] / results['plain']['tok_s']:.2f}x")
     Path(args.json).write_text(json.dumps({"workload": args.workload, "spec_args": spec_kwargs, **results}, indent=1))
     return 0
 

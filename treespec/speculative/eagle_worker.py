@@ -15,8 +15,8 @@ draft model and its per-request state. One step is:
      (drafts + the bonus token) and the target KV slots of the accepted nodes, same count. Nothing
      else changes.
   2. The Scheduler commits the result (stop rules, req_to_token, kv_len, surplus slots freed).
-  3. `draft_extend(reqs, result, committed)`: the draft over the committed tokens, so its KV and state
-     are current for the next step.
+  3. `draft_extend(reqs, result, committed)`: records acceptance and defers the draft over the committed
+     tokens; `catch_up` runs it (with any plain steps' rows) before the request next drafts.
 
 Plain steps (the schedule's choice above some batch size, or too little free KV) run the target alone,
 as a plain server would: `defer_extend` keeps each new token's target features, and the draft extend
@@ -136,11 +136,11 @@ class EagleWorker:
                 self.draft_states[req.rid] = (out.logits[i], out.hidden_states[i])
 
     def draft_extend(self, reqs: list[Req], result: SpecStepResult, committed: list[int]) -> None:
-        """The draft over the first `committed[b]` tokens of request b's step result, at the positions
-        and slots the Scheduler kept for them. Every request of the step is run, finished ones too:
-        their slots now hold cached prefix, which needs draft KV. Afterwards only requests still
-        running keep a draft state."""
-        tokens = [t[:n] for t, n in zip(result.tokens, committed, strict=True)]
+        """Record each request's acceptance (adaptivity) and defer the draft extend over its first
+        `committed[b]` tokens, at the positions and slots the Scheduler kept for them: it runs batched
+        with any later plain steps' rows (`catch_up`) before the request next drafts, or when it leaves
+        (finished requests too: their slots now hold cached prefix, which needs draft KV). Most
+        speculative steps are followed by plain ones, so this saves a draft forward per step there."""
         for b, (req, n) in enumerate(zip(reqs, committed, strict=True)):
             record = self.head_records.get(req.rid, HeadRecord())
             accepted = result.sources[b][:n].count("eagle")
@@ -150,20 +150,17 @@ class EagleWorker:
                 budget, offered = self.ngram_budget.get(req.rid, (self.hybrid_ngram_tokens, 0))
                 accepted = result.sources[b][:n].count("ngram")
                 self.ngram_budget[req.rid] = (next_budget(budget, offered, accepted, self.hybrid_ngram_tokens), 0)
-        slots = [s[:n] for s, n in zip(result.kept_slots, committed, strict=True)]
-        rows = [r[:n] for r, n in zip(result.accept_rows, committed, strict=True)]
-        positions = torch.cat([torch.arange(k, k + n) for k, n in zip(result.kv_lens, committed, strict=True)])
-        kv_lists = [self.req_to_token_pool.read(r.req_pool_idx, 0, r.kv_len) for r in reqs]
-        last_rows = torch.cumsum(torch.tensor(committed), 0) - 1
-        feats = self._draft_features(result.verify_output, torch.cat(rows).to(self.device))
-        dbatch = draft_extend_batch(
-            torch.tensor([t for ts in tokens for t in ts], device=self.device), positions.to(self.device),
-            torch.cat(slots).to(self.device), build_metadata(committed, kv_lists, device=self.device),
-            feats, last_rows.to(self.device))
-        out = self.draft.forward(dbatch)
-        # Rebuilt from this batch only: states of requests that left (finished, aborted, retracted) go.
-        self.draft_states = {r.rid: (out.logits[i], out.hidden_states[i])
-                             for i, r in enumerate(reqs) if not r.finished}
+        rows = torch.cat([r[:n] for r, n in zip(result.accept_rows, committed, strict=True)])
+        feats = self._draft_features(result.verify_output, rows.to(self.device))
+        i = 0
+        for b, (req, n) in enumerate(zip(reqs, committed, strict=True)):
+            self.draft_states.pop(req.rid, None)  # stale until the catch-up
+            pending = self.deferred.setdefault(req.rid, [])
+            slots = result.kept_slots[b][:n].tolist()
+            for j in range(n):
+                pending.append(DeferredRow(result.kv_lens[b] + j, slots[j], result.tokens[b][j], feats[i + j]))
+            i += n
+        self.catch_up([r for r in reqs if not r.finished and len(self.deferred.get(r.rid, ())) >= MAX_DRAFT_LAG])
 
     def defer_extend(self, reqs: list[Req], tokens: list[int], batch: ForwardBatch, output: ModelOutput) -> None:
         """A plain decode step ran the target alone (with the capture layers): keep what the draft extend
@@ -184,8 +181,10 @@ class EagleWorker:
         step, and this worker defers the draft's work as for any plain step."""
         if any(self.head_records.get(r.rid, HeadRecord()).drafts for r in reqs):
             return True
-        return self.ngram is not None and any(
-            d.match_length >= HYBRID_MIN_MATCH and bool(d.tokens) for d in self._ngram_drafts(reqs))
+        if self.ngram is None:
+            return False
+        self._insert_text(reqs)
+        return any(self.ngram.has_match(r.all_ids, HYBRID_MIN_MATCH) for r in reqs)
 
     def catch_up(self, reqs: list[Req]) -> None:
         """Run the deferred draft extends of `reqs` in one draft forward; each still-running request gets
@@ -297,12 +296,17 @@ class EagleWorker:
             sources.append(s)
         return tree_from_parents(roots, tokens, parents, kv_lens), sources
 
-    def _ngram_drafts(self, reqs: list[Req]) -> list:
-        """The hybrid's n-gram drafts, each within its request's budget (its text inserted first)."""
-        for req in reqs:  # the request's text since it last speculated (its prompt, the first time)
+    def _insert_text(self, reqs: list[Req]) -> None:
+        """Put each request's text since it last asked for drafts into the n-gram cache (its prompt, the
+        first time)."""
+        for req in reqs:
             done = self.ngram_inserted.get(req.rid, 0)
             if len(req.all_ids) > done:
                 self.ngram.insert(req.all_ids, len(req.all_ids) - done if done else None)
                 self.ngram_inserted[req.rid] = len(req.all_ids)
+
+    def _ngram_drafts(self, reqs: list[Req]) -> list:
+        """The hybrid's n-gram drafts, each within its request's budget (its text inserted first)."""
+        self._insert_text(reqs)
         budgets = [self.ngram_budget.get(r.rid, (self.hybrid_ngram_tokens, 0))[0] for r in reqs]
         return [self.ngram.draft(r.all_ids, n) for r, n in zip(reqs, budgets, strict=True)]

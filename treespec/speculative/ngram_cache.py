@@ -124,11 +124,12 @@ class NgramCache:
             node = node.parent
 
     # ------------------------------------------------------------------ draft
-    def _longest_match(self, context: Sequence[int]) -> tuple[_Node | None, int]:
-        """The node of the longest suffix of `context` in the window that has continuations."""
+    def _longest_match(self, context: Sequence[int], min_width: int = 0) -> tuple[_Node | None, int]:
+        """The node of the longest suffix of `context` in the window (and of at least `min_width`
+        tokens) that has continuations."""
         cfg = self.config
         longest = min(cfg.max_match_window, len(context), cfg.branch_length - 1)
-        for width in range(longest, cfg.min_match_window - 1, -1):
+        for width in range(longest, max(min_width, cfg.min_match_window) - 1, -1):
             node = self.root
             for token in context[len(context) - width :]:
                 node = node.children.get(token) if node.children else None
@@ -137,6 +138,11 @@ class NgramCache:
             if node is not None and node.children:
                 return node, width
         return None, 0
+
+    def has_match(self, context: Sequence[int], min_width: int) -> bool:
+        """Whether `draft` would match at least `min_width` tokens of `context`. Cheaper than drafting,
+        and touches nothing: asking is not using."""
+        return self._longest_match(context, min_width)[0] is not None
 
     def breadth_for(self, match_length: int) -> int:
         """Children kept per expanded node: max_bfs_breadth at the shortest match window, falling

@@ -76,7 +76,7 @@ class NgramWorker:
 
     def wants_drafts(self, reqs: list[Req]) -> bool:
         """Whether any request has a draft this step (else the Scheduler runs a plain step)."""
-        return any(self.cache.draft(r.all_ids, 1).tokens for r in reqs)
+        return any(self.cache.has_match(r.all_ids, 0) for r in reqs)
 
     def release(self, req: Req, keep_draft_kv: bool) -> None:
         """Nothing per request to forget: the cache keeps every request's text."""

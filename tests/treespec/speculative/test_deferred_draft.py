@@ -8,7 +8,14 @@ import json
 
 import pytest
 import torch
-from eagle_test_models import random_head, random_target
+from eagle_test_models import (
+    Lookup,
+    lookup_eagle3_head,
+    lookup_eagle_head,
+    lookup_target,
+    random_head,
+    random_target,
+)
 
 from treespec.engine import Engine
 from treespec.sampling_params import SamplingParams
@@ -109,3 +116,48 @@ def test_lag_is_bounded(dirs, monkeypatch) -> None:
 
     drive(eng, until=check)
     assert 0 < longest < 4 and not worker.deferred and not worker.draft_states
+
+
+@pytest.fixture(scope="module")
+def lookup_dirs(tmp_path_factory) -> dict:
+    """A target and heads that agree ~85% of the time: speculative steps commit several tokens."""
+    root = tmp_path_factory.mktemp("deferred_lookup")
+    lookup = Lookup(seed=0)
+    target = lookup_target(root / "target", lookup, noise=0.07)
+    return {"EAGLE": (target, lookup_eagle_head(root / "EAGLE", lookup)),
+            "EAGLE3": (target, lookup_eagle3_head(root / "EAGLE3", lookup))}
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+def test_speculative_steps_defer_their_draft_extend_exactly(lookup_dirs, algorithm, monkeypatch) -> None:
+    """A speculative step's draft extend over its committed tokens waits for the next drafting step;
+    caught up after a step that committed several tokens, the draft state is the one a prefill of the
+    same text gives."""
+    target, head = lookup_dirs[algorithm]
+
+    def lookup_engine() -> Engine:
+        return Engine(model_path=str(target), dtype="float32", max_total_tokens=2048, speculative_algorithm=algorithm,
+                      speculative_draft_model_path=str(head), speculative_num_steps=3, speculative_eagle_topk=1,
+                      speculative_num_draft_tokens=4)
+
+    eng = lookup_engine()
+    sched, worker = eng.scheduler, eng.scheduler.spec_worker
+    committed_per_step: list[int] = []
+    extend = worker.draft_extend
+
+    def recording_extend(reqs, result, committed):
+        extend(reqs, result, committed)
+        committed_per_step.append(committed[0])
+
+    monkeypatch.setattr(worker, "draft_extend", recording_extend)
+    req = sched.add_request("solo", PROMPT, SamplingParams(max_new_tokens=40, **GREEDY))
+    drive(eng, until=lambda: len(committed_per_step) >= 2 and committed_per_step[-1] >= 2)
+    assert committed_per_step[-1] >= 2, "no step committed more than its bonus token"
+    assert "solo" not in worker.draft_states  # committed tokens deferred
+    assert [row.position for row in worker.deferred["solo"]] == list(
+        range(worker.deferred["solo"][0].position, req.kv_len))
+    worker.catch_up([req])
+    caught_up = worker.draft_states["solo"][0].clone()
+    reference, first = prefilled_state(lookup_engine(), req.all_ids[:-1], 2)
+    assert first == req.all_ids[-1:]
+    torch.testing.assert_close(caught_up, reference, rtol=1e-4, atol=1e-4)
