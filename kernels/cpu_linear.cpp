@@ -267,9 +267,10 @@ static inline void vstore(float* p, V v) { _mm512_store_ps(p, v.v); }
 // --- Many rows (prefill chunks, large batches): rebuild a group's weights once into fp32 panels ---------
 // A block-quant tile rebuilds every weight for each 4 rows it serves: one fma per 16 weights beside
 // the 4 that use them, a fifth of the fma pipe. A row block of at least kRebuiltRows rows instead
-// rebuilds a group's two panels (every k) into fp32 scratch once and runs the fp32 panel kernel
-// (6-row ymm tiles; on AVX-512 hosts 12-row zmm tiles over both panels, from kRebuiltRowsAvx512 rows) over it: the same fp32 weights (fma(scale, code, min), rounded once) and the same fma
-// chains over k in order, so the same bits as the quant tiles and as `linear` on the dequantized weight.
+// rebuilds a group's two panels (every k) into fp32 scratch once and runs the fp32 panel kernel over
+// it (6-row ymm tiles; on AVX-512 hosts 12-row zmm tiles over both panels, from kRebuiltRowsAvx512
+// rows): the same fp32 weights (fma(scale, code, min), rounded once) and the same fma chains over k in
+// order, so the same bits as the quant tiles and as `linear` on the dequantized weight.
 constexpr int64_t kRebuiltRows = 32;
 // With the zmm tile (fp32_avx512) the rebuilt path wins from ~20 rows (bench_cpu_linear, Sapphire Rapids:
 // 24 rows 32 vs 37 ms a step's matmuls, 16 rows 28 vs 26)
