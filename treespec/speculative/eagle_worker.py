@@ -152,28 +152,31 @@ class EagleWorker:
                 self.ngram_budget[req.rid] = (next_budget(budget, offered, accepted, self.hybrid_ngram_tokens), 0)
         rows = torch.cat([r[:n] for r, n in zip(result.accept_rows, committed, strict=True)])
         feats = self._draft_features(result.verify_output, rows.to(self.device))
-        i = 0
-        for b, (req, n) in enumerate(zip(reqs, committed, strict=True)):
-            self.draft_states.pop(req.rid, None)  # stale until the catch-up
-            pending = self.deferred.setdefault(req.rid, [])
+        new_rows, i = [], 0
+        for b, n in enumerate(committed):
             slots = result.kept_slots[b][:n].tolist()
-            for j in range(n):
-                pending.append(DeferredRow(result.kv_lens[b] + j, slots[j], result.tokens[b][j], feats[i + j]))
+            new_rows.append([DeferredRow(result.kv_lens[b] + j, slots[j], result.tokens[b][j], feats[i + j])
+                             for j in range(n)])
             i += n
-        self.catch_up([r for r in reqs if not r.finished and len(self.deferred.get(r.rid, ())) >= MAX_DRAFT_LAG])
+        self._defer(reqs, new_rows)
 
     def defer_extend(self, reqs: list[Req], tokens: list[int], batch: ForwardBatch, output: ModelOutput) -> None:
         """A plain decode step ran the target alone (with the capture layers): keep what the draft extend
         over its tokens needs and run it later, batched."""
         feats = self._draft_features(output)
         positions, slots = batch.positions.tolist(), batch.out_cache_loc.tolist()
-        for i, req in enumerate(reqs):
-            self.draft_states.pop(req.rid, None)  # stale until the catch-up
+        for req in reqs:
             # a plain step counts toward the next probe of a request whose head drafts were turned off
             self.head_records[req.rid] = self.head_records.get(req.rid, HeadRecord()).after_step(False, 0)
-            self.deferred.setdefault(req.rid, []).append(DeferredRow(positions[i], slots[i], tokens[i], feats[i]))
-        behind = [r for r in reqs if not r.finished and len(self.deferred[r.rid]) >= MAX_DRAFT_LAG]
-        self.catch_up(behind)
+        self._defer(reqs, [[DeferredRow(positions[i], slots[i], tokens[i], feats[i])] for i in range(len(reqs))])
+
+    def _defer(self, reqs: list[Req], rows: list[list[DeferredRow]]) -> None:
+        """Queue each request's new rows for its next catch-up (its draft state is stale until then); a
+        running request MAX_DRAFT_LAG rows behind catches up now, which bounds the features held."""
+        for req, new in zip(reqs, rows, strict=True):
+            self.draft_states.pop(req.rid, None)
+            self.deferred.setdefault(req.rid, []).extend(new)
+        self.catch_up([r for r in reqs if not r.finished and len(self.deferred[r.rid]) >= MAX_DRAFT_LAG])
 
     def wants_drafts(self, reqs: list[Req]) -> bool:
         """Whether any request's drafts are worth a verify this step: its head drafts (by its measured
