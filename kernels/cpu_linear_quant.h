@@ -27,12 +27,12 @@ static inline void tile(const float* x, int64_t k_dim, const uint8_t* data, int6
 #pragma GCC unroll 16
   for (int a = 0; a < ROWS * PANELS; ++a) acc[a] = vzero();
   for (int64_t b = 0; b < blocks; ++b) {
-    if (kPrefetchBlocks > 0 && b + kPrefetchBlocks < blocks) {
+    // kPrefetchBlocks ahead, on past the group's end into what follows it (see kPrefetchBlocks)
 #pragma GCC unroll 8
-      for (int j = 0; j < PANELS; ++j) {
-        const char* ahead = reinterpret_cast<const char*>(group[j] + (b + kPrefetchBlocks) * block_bytes);
-        for (int64_t line = 0; line < block_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-      }
+    for (int j = 0; j < PANELS; ++j) {
+      if (j > 0 && half[j] != 0) continue;  // the same group as panel j - 1: already prefetched
+      const char* ahead = reinterpret_cast<const char*>(group[j] + (b + kPrefetchBlocks) * block_bytes);
+      for (int64_t line = 0; line < block_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
     }
     V scale[PANELS], min[PANELS];
     const uint8_t* codes[PANELS];

@@ -9,11 +9,19 @@ import torch
 from torch import nn
 
 from treespec.forward_batch import ForwardBatch, ForwardContext, ModelOutput
+from treespec.models import weight_arena
 from treespec.models.block_quant import BlockQuant, fuse_llama_block_quant
 from treespec.models.config import ModelConfig
 from treespec.models.layer_stack import LayerStack
 from treespec.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope, use_cpu_kernels
-from treespec.models.packed_linear import PackedWeight, head_logits, pack_linears, pack_weight, packing_layout
+from treespec.models.packed_linear import (
+    PackedLinear,
+    PackedWeight,
+    head_logits,
+    pack_linears,
+    pack_weight,
+    packing_layout,
+)
 
 if TYPE_CHECKING:
     from treespec.distributed.parallel_state import TPGroup
@@ -120,10 +128,20 @@ class LlamaForCausalLM(nn.Module):
         fused = fuse_llama_block_quant(block_quants or {}, self.config.num_layers, self.config.tie_word_embeddings)
         pack_linears(self.layers, device, dtype, fused)
         self.packed_lm_head = pack_weight(self.lm_head_weight, block_quant=fused.get("lm_head"))
+        self._gather_packed_weights()
         use_cpu_kernels(self)
         # the C++ loop has no collectives: under tensor parallelism the layers keep their all-reduces
         self.layer_stack = LayerStack.for_model(self.layers, dtype) if self.tp is None else None
         return True
+
+    def _gather_packed_weights(self) -> None:
+        """Every packed weight into one huge-page buffer in the order a step reads them (layer by layer,
+        then lm_head): models/weight_arena.py."""
+        linears = [m for m in self.layers.modules() if isinstance(m, PackedLinear)]
+        gathered = weight_arena.gather([m.packed for m in linears] + [self.packed_lm_head])
+        for module, packed in zip(linears, gathered, strict=False):  # lm_head is the extra last one
+            module.packed = packed
+        self.packed_lm_head = gathered[-1]
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

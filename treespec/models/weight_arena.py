@@ -1,0 +1,40 @@
+"""Packed matmul weights gathered into one buffer, back to back in the order a decode step reads them.
+
+A batch-1 decode step streams every weight once: ~100 MB in ~120 matmuls of 0.2-2 MB each. Packed
+one by one, each weight is its own allocation somewhere in memory, and every matmul starts a cold
+stream that the prefetchers (hardware, and the kernel's own prefetch a few blocks ahead) must ramp
+up again. Back to back in one buffer, the step reads one sequential range and each matmul's
+prefetches run on into the next one's weight. Measured on a 2-core Sapphire Rapids VM: a plain decode
+step 7.2 -> 5.0 ms, 137 -> 182 tokens/s (docs/cpu_kernels.md). The bytes are the same, so the results
+are the same bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from treespec.models.packed_linear import PackedWeight
+
+ALIGN = 64  # each weight starts on a cache line (and so at a multiple of any element size)
+ARENA_LAYOUTS = ("panel", "panel_quant")  # plain tensors; oneDNN's packs are opaque
+
+
+def gather(weights: list[PackedWeight]) -> list[PackedWeight]:
+    """The same packed weights with their data copied, in the given order, into one buffer (weights of
+    other layouts come back unchanged)."""
+    movable = [w for w in weights if w.layout in ARENA_LAYOUTS]
+    if not movable:
+        return list(weights)
+    sizes = [-(-w.data.numel() * w.data.element_size() // ALIGN) * ALIGN for w in movable]
+    arena = torch.empty(sum(sizes) + ALIGN, dtype=torch.uint8)
+    offset = (-arena.data_ptr()) % ALIGN
+    moved: dict[int, PackedWeight] = {}
+    for w, size in zip(movable, sizes, strict=True):
+        nbytes = w.data.numel() * w.data.element_size()
+        data = arena[offset:offset + nbytes].view(w.data.dtype).view(w.data.shape)
+        data.copy_(w.data)
+        moved[id(w)] = replace(w, data=data)
+        offset += size
+    return [moved.get(id(w), w) for w in weights]
