@@ -7,6 +7,7 @@ lm_head). TREESPEC_CPU_QUANT_ISA=avx2 runs the block-quant kernel's AVX2 code on
 
     python benchmarks/bench_cpu_linear.py                         # SmolLM2-135M's shapes, fp32
     python benchmarks/bench_cpu_linear.py --rows 1,2,4,8 --json cpu_linear.json
+    python benchmarks/bench_cpu_linear.py --step-layout               # one packed step: apart vs gathered
 
 Rows = tokens in the forward: 1 is a batch-1 decode, 2-16 a speculative verify, hundreds a prefill
 chunk. Each shape gets enough distinct weights (--weight-mb per shape) that they stream from memory
@@ -24,6 +25,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from treespec.models import weight_arena
 from treespec.models.block_quant import BLOCK, BlockQuant
 from treespec.models.packed_linear import onednn_packs, pack_weight, packed_linear, packing_layout
 
@@ -37,13 +39,55 @@ def random_block_quant(out_f: int, in_f: int, gen: torch.Generator, bits: int = 
     return BlockQuant(codes, scales, (-(2 ** (bits - 1)) * scales.float()).half())
 
 
+def step_weights(gen: torch.Generator) -> list:
+    """One decode step's packed weights of the default model in the order it reads them: 4-bit layers
+    (qkv, o, gate_up, down per layer), then the 8-bit lm_head, each its own tensor."""
+    layers = [shape for shape in SMOLLM2_SHAPES if shape[2] > 1]
+    out_f, in_f, _ = SMOLLM2_SHAPES[-1]
+    quants = {(o, i): random_block_quant(o, i, gen, 4) for o, i, _ in layers}
+    packed = {shape: pack_weight(q.dequantize(), "panel", q) for shape, q in quants.items()}
+    head = random_block_quant(out_f, in_f, gen, 8)
+    steps = [replace(packed[(o, i)], data=packed[(o, i)].data.clone()) for _ in range(layers[0][2]) for o, i, _ in layers]
+    return [*steps, pack_weight(head.dequantize(), "panel", head)]
+
+
+def bench_step_layout(repeats: int, copies: int = 3) -> dict:
+    """ms of one 1-row decode step's matmuls streamed from weights packed one by one ("apart") and from
+    the same weights gathered back to back in step order (models/weight_arena.py, as the model holds
+    them), interleaved; `copies` distinct steps of each so that none stays in cache."""
+    gen = torch.Generator().manual_seed(0)
+    apart = [step_weights(gen) for _ in range(copies)]
+    ways = {"apart": apart, "gathered": [weight_arena.gather(step) for step in apart]}
+    xs = {w.data.shape[1] * BLOCK: torch.randn(1, w.data.shape[1] * BLOCK, generator=gen) for w in apart[0]}
+    samples = {way: [] for way in ways}
+    for _ in range(repeats):
+        for way, steps in ways.items():
+            start = time.perf_counter()
+            for step in steps:
+                for w in step:
+                    packed_linear(xs[w.data.shape[1] * BLOCK], w, None)
+            samples[way].append((time.perf_counter() - start) / copies * 1e3)
+    result = {way: statistics.median(ms) for way, ms in samples.items()}
+    mb = sum(w.data.numel() for w in apart[0]) / 1e6
+    print(f"one 1-row step's matmuls ({mb:.1f} MB): " + ", ".join(
+        f"{way} {ms:.2f} ms ({mb / ms:.1f} GB/s)" for way, ms in result.items())
+        + f"; gathered/apart {result['apart'] / result['gathered']:.2f}x")
+    return {"step_layout_ms": result, "step_mb": mb}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,2,4,8,16,64,256")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--weight-mb", type=int, default=60, help="distinct weights per shape, in MB")
+    parser.add_argument("--step-layout", action="store_true",
+                        help="only time one 1-row step's matmuls packed apart vs gathered in step order")
     parser.add_argument("--json", default="bench_cpu_linear.json")
     args = parser.parse_args()
+    if args.step_layout:
+        with open(args.json, "w") as f:
+            json.dump(bench_step_layout(args.repeats), f, indent=2)
+        return
 
     cpu = torch.device("cpu")
     layouts = [name for name, ok in [("panel", packing_layout(cpu, torch.float32) == "panel"),

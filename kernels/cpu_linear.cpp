@@ -155,9 +155,11 @@ constexpr float kFloatTwo23 = 8388608.0f;
 // host (Sapphire Rapids) the hardware prefetcher alone left a 1-row decode at ~10 GB/s of a ~28 GB/s
 // memory, and this took a step's matmuls 7.7 -> 6.0 ms; on Zen 4 it measured neutral. The prefetch runs
 // on past the tile's group into what follows it in memory (the next group; past a weight's last group,
-// the next weight, which models/weight_arena.py puts there): a decode step then never starts a
-// cold stream (5.8 -> 4.7-5.0 ms a step there). A prefetch never faults, even past an allocation.
-// Measured flat from 4 to 8 blocks ahead, 2 and 3 slower, none 1.5x slower.
+// the next weight, which models/weight_arena.py puts there), and a group's two panels are prefetched
+// once, not twice. With the arena, plain decoding there went 137 -> 176-182 tokens/s; in one process,
+// crossing beat stopping at the group's end in 2 of 2 paired runs (163 vs 153, 197 vs 155 tokens/s).
+// Distance, in one process: 4 to 8 blocks alike, 2 and 3 ~5 % slower, none 1.5x slower. A prefetch
+// never faults, even past an allocation's end.
 constexpr int64_t kPrefetchBlocks = 4;
 
 // The block bytes of one group (32 columns x 32 k) for `bits`-bit codes

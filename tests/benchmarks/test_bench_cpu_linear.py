@@ -30,3 +30,14 @@ def test_random_block_quant_packs_as_codes(rows: int, bits: int) -> None:
     assert packed.data.numel() == 96 * 576 * (bits + 1) // 8  # codes plus 4 bytes of scale and min per 32
     x = torch.randn(rows, 576, generator=gen)
     assert torch.equal(packed_linear(x, packed, None), packed_linear(x, pack_weight(dense, "panel"), None))
+
+
+@pytest.mark.skipif(cpu_linear.load() is None, reason="CPU matmul kernel unavailable")
+def test_step_layout_times_a_whole_step_apart_and_gathered() -> None:
+    bench = load_benchmark("bench_cpu_linear")
+    step = bench.step_weights(torch.Generator().manual_seed(0))
+    assert len(step) == 4 * 30 + 1 and all(w.layout == "panel_quant" for w in step)
+    assert step[-1].out_features == 49152 and step[-1].data.shape[2] == step[0].data.shape[2] * 9 // 5  # 8-bit head
+    assert len({w.data.untyped_storage().data_ptr() for w in step}) == len(step)  # each its own tensor
+    result = bench.bench_step_layout(repeats=1, copies=1)
+    assert set(result["step_layout_ms"]) == {"apart", "gathered"} and result["step_mb"] > 80

@@ -2,11 +2,13 @@
 
 A batch-1 decode step streams every weight once: ~100 MB in ~120 matmuls of 0.2-2 MB each. Packed
 one by one, each weight is its own allocation somewhere in memory, and every matmul starts a cold
-stream that the prefetchers (hardware, and the kernel's own prefetch a few blocks ahead) must ramp
-up again. Back to back in one buffer, the step reads one sequential range and each matmul's
-prefetches run on into the next one's weight. Measured on a 2-core Sapphire Rapids VM: a plain decode
-step 7.2 -> 5.0 ms, 137 -> 182 tokens/s (docs/cpu_kernels.md). The bytes are the same, so the results
-are the same bits.
+stream. Back to back in one buffer, the step reads one sequential range, and the block-quant tiles'
+prefetch, which runs on past a group's end (kernels/cpu_linear.cpp, kPrefetchBlocks), runs from the
+end of one weight into the start of the next. The bytes are the same, so the results are the same bits.
+
+Measured on a 2-core Sapphire Rapids VM (docs/cpu_kernels.md): this together with that prefetch took
+plain decoding from 137 to 176-182 tokens/s; the layout alone, in paired runs with the prefetch in
+place, 178 / 187 / 186 against 178 / 162 / 180 tokens/s apart, within that VM's run-to-run noise.
 """
 
 from __future__ import annotations
