@@ -135,13 +135,12 @@ class LlamaForCausalLM(nn.Module):
         return True
 
     def _gather_packed_weights(self) -> None:
-        """Every packed weight into one huge-page buffer in the order a step reads them (layer by layer,
-        then lm_head): models/weight_arena.py."""
+        """Every packed weight into one buffer in the order a step reads them (layer by layer, then
+        lm_head): models/weight_arena.py."""
         linears = [m for m in self.layers.modules() if isinstance(m, PackedLinear)]
-        gathered = weight_arena.gather([m.packed for m in linears] + [self.packed_lm_head])
-        for module, packed in zip(linears, gathered, strict=False):  # lm_head is the extra last one
+        *gathered, self.packed_lm_head = weight_arena.gather([m.packed for m in linears] + [self.packed_lm_head])
+        for module, packed in zip(linears, gathered, strict=True):
             module.packed = packed
-        self.packed_lm_head = gathered[-1]
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
