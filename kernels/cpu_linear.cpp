@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 constexpr int64_t kPanel = 16;  // output columns per panel: two ymm registers
@@ -84,21 +85,29 @@ static inline void panel_kernel(const float* x, int64_t k_dim, const W* panel, O
   }
 }
 
+// The row-count dispatch of a tiled kernel: tile(integral_constant<MAX>, m) for every MAX rows from
+// m = 0, then tile(integral_constant<R>, m) once for the R < MAX rows left, so each row count runs
+// its own compile-time tile.
+template <int R, typename Tile>
+static inline void remainder_tile(int64_t left, int64_t m, Tile& tile) {
+  if constexpr (R > 0) {
+    if (left == R) tile(std::integral_constant<int, R>{}, m);
+    else remainder_tile<R - 1>(left, m, tile);
+  }
+}
+template <int MAX, typename Tile>
+static inline void tile_rows(int64_t rows, Tile&& tile) {
+  int64_t m = 0;
+  for (; m + MAX <= rows; m += MAX) tile(std::integral_constant<int, MAX>{}, m);
+  remainder_tile<MAX - 1>(rows - m, m, tile);
+}
+
 template <typename W, typename O>
 static void panel_rows(const float* x, int64_t rows, int64_t k_dim, const W* panel, O* y, int64_t ldy,
                        const O* bias, int64_t cols) {
-  int64_t m = 0;
-  for (; m + 6 <= rows; m += 6) panel_kernel<6>(x + m * k_dim, k_dim, panel, y + m * ldy, ldy, bias, cols);
-  const float* xr = x + m * k_dim;
-  O* yr = y + m * ldy;
-  switch (rows - m) {
-    case 5: panel_kernel<5>(xr, k_dim, panel, yr, ldy, bias, cols); break;
-    case 4: panel_kernel<4>(xr, k_dim, panel, yr, ldy, bias, cols); break;
-    case 3: panel_kernel<3>(xr, k_dim, panel, yr, ldy, bias, cols); break;
-    case 2: panel_kernel<2>(xr, k_dim, panel, yr, ldy, bias, cols); break;
-    case 1: panel_kernel<1>(xr, k_dim, panel, yr, ldy, bias, cols); break;
-    default: break;
-  }
+  tile_rows<6>(rows, [&](auto n, int64_t m) {
+    panel_kernel<decltype(n)::value>(x + m * k_dim, k_dim, panel, y + m * ldy, ldy, bias, cols);
+  });
 }
 
 template <typename W, typename O>
@@ -365,24 +374,9 @@ static inline void group_tile(const float* x, int64_t k_dim, const float* panels
 // rows x one rebuilt group (`cols` of its 32 columns are real)
 static void group_rows(const float* x, int64_t rows, int64_t k_dim, const float* panels, float* y, int64_t ldy,
                        const float* bias, int64_t cols) {
-  int64_t m = 0;
-  for (; m + kMaxRows <= rows; m += kMaxRows) group_tile<kMaxRows>(x + m * k_dim, k_dim, panels, y + m * ldy, ldy, bias, cols);
-  const float* xr = x + m * k_dim;
-  float* yr = y + m * ldy;
-  switch (rows - m) {
-    case 11: group_tile<11>(xr, k_dim, panels, yr, ldy, bias, cols); break;
-    case 10: group_tile<10>(xr, k_dim, panels, yr, ldy, bias, cols); break;
-    case 9: group_tile<9>(xr, k_dim, panels, yr, ldy, bias, cols); break;
-    case 8: group_tile<8>(xr, k_dim, panels, yr, ldy, bias, cols); break;
-    case 7: group_tile<7>(xr, k_dim, panels, yr, ldy, bias, cols); break;
-    case 6: group_tile<6>(xr, k_dim, panels, yr, ldy, bias, cols); break;
-    case 5: group_tile<5>(xr, k_dim, panels, yr, ldy, bias, cols); break;
-    case 4: group_tile<4>(xr, k_dim, panels, yr, ldy, bias, cols); break;
-    case 3: group_tile<3>(xr, k_dim, panels, yr, ldy, bias, cols); break;
-    case 2: group_tile<2>(xr, k_dim, panels, yr, ldy, bias, cols); break;
-    case 1: group_tile<1>(xr, k_dim, panels, yr, ldy, bias, cols); break;
-    default: break;
-  }
+  tile_rows<kMaxRows>(rows, [&](auto n, int64_t m) {
+    group_tile<decltype(n)::value>(x + m * k_dim, k_dim, panels, y + m * ldy, ldy, bias, cols);
+  });
 }
 }  // namespace fp32_avx512
 #pragma GCC pop_options
