@@ -104,6 +104,18 @@ def print_row(row: dict) -> None:
           flush=True)
 
 
+def save_prompts(path: str, workloads: list[str], num_prompts: int) -> int:
+    """Build the workloads' prompts with the default model's tokenizer and write them as token ids."""
+    from treespec.model_loader import resolve_model_path
+    from treespec.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(resolve_model_path(None)))
+    out = {w: workload_prompts(w, tokenizer, num_prompts) for w in workloads}
+    Path(path).write_text(json.dumps(out))
+    print(f"wrote {path}: {', '.join(f'{w} {len(v)}' for w, v in out.items())}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--plain-args", default="--speculative-algorithm NONE")
@@ -113,7 +125,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--concurrency", default="4,16", help="comma list; empty: batch 1 only")
     p.add_argument("--json", default="bench_spec_ab.json")
+    p.add_argument("--save-prompts", default=None, metavar="FILE",
+                   help="write each workload's prompt token ids to FILE (JSON) and exit, starting no server")
+    p.add_argument("--prompts", default=None, metavar="FILE",
+                   help="read the prompts from a --save-prompts FILE instead of building them (hosts without "
+                        "the ShareGPT wheel, e.g. a GPU machine with no registry)")
     args = p.parse_args(argv)
+    if args.save_prompts:
+        return save_prompts(args.save_prompts, args.workloads, args.num_prompts)
+    saved = json.loads(Path(args.prompts).read_text()) if args.prompts else None
+    if saved is not None:
+        missing = [w for w in args.workloads if w not in saved]
+        if missing:
+            p.error(f"--prompts {args.prompts} has no prompts for workload(s) {', '.join(missing)}")
 
     from treespec.server.testing import popen_launch_server
     from treespec.tokenizer import load_tokenizer
@@ -134,7 +158,10 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(run_concurrent(url, [tokenizer.encode("Hello there.")], 16, 1))
         rows = []
         for workload in args.workloads:
-            prompts = workload_prompts(workload, tokenizer, args.num_prompts)
+            if saved is not None:
+                prompts = saved[workload][: args.num_prompts]
+            else:
+                prompts = workload_prompts(workload, tokenizer, args.num_prompts)
             outs, secs = asyncio.run(run_batch1(urls, prompts, args.max_new_tokens))
             rows.append(summarize(workload, "bs1", outs, secs))
             print_row(rows[-1])
