@@ -34,6 +34,8 @@ class Timer:
 
     def __init__(self) -> None:
         self.totals: dict[str, Counter[str]] = {}
+        self.calls: dict[str, Counter[str]] = {}  # part -> calls, per engine
+        self.rows: dict[str, Counter[str]] = {}  # forward part -> token rows summed over its calls
         self.active = ""
         self.stack: list[list] = []  # [name, start, time spent in children]
 
@@ -47,6 +49,9 @@ class Timer:
                 part, start, children = self.stack.pop()
                 spent = time.perf_counter() - start
                 self.totals.setdefault(self.active, Counter())[part] += spent - children
+                self.calls.setdefault(self.active, Counter())[part] += 1
+                if args and hasattr(args[0], "input_ids"):  # a forward: count its token rows
+                    self.rows.setdefault(self.active, Counter())[part] += int(args[0].input_ids.numel())
                 if self.stack:
                     self.stack[-1][2] += spent
         return timed
@@ -94,6 +99,8 @@ def measure(engines: dict, timer: Timer, prompts: list[list[int]], max_new: int)
     """Each prompt on every engine, the order alternating prompt by prompt so machine drift hits all."""
     before = {name: dict(engine.get_stats()) for name, engine in engines.items()}
     timer.totals = {name: Counter() for name in engines}
+    timer.calls = {name: Counter() for name in engines}
+    timer.rows = {name: Counter() for name in engines}
     wall: Counter[str] = Counter()
     tokens: Counter[str] = Counter()
     for i, ids in enumerate(prompts):
@@ -113,7 +120,8 @@ def measure(engines: dict, timer: Timer, prompts: list[list[int]], max_new: int)
         results[name] = {"tokens": tokens[name], "wall_s": wall[name], "tok_s": tokens[name] / wall[name],
                          "decode_steps": steps,
                          "ms_per_step": {k: 1000 * v / steps for k, v in sorted(totals.items())},
-                         "outside_step_ms_per_step": 1000 * (wall[name] - sum(totals.values())) / steps}
+                         "outside_step_ms_per_step": 1000 * (wall[name] - sum(totals.values())) / steps,
+                         "calls": dict(timer.calls[name]), "rows": dict(timer.rows[name])}
     return results
 
 
@@ -149,6 +157,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{part:<32} " + " ".join(f"{r['ms_per_step'].get(part, 0.0):>8.2f}" for r in results.values()))
     print(f"{'outside the step (client loop)':<32} " + " ".join(f"{r['outside_step_ms_per_step']:>8.2f}"
                                                           for r in results.values()))
+    print(f"{'forward: calls, rows per call, ms per call':<44} {'plain':>16} {'spec':>16}")
+    for part in [q for q in parts if q.startswith(("target", "draft D"))]:
+        cells = []
+        for r in results.values():
+            calls, rows = r["calls"].get(part, 0), r["rows"].get(part, 0)
+            ms = r["ms_per_step"].get(part, 0.0) * r["decode_steps"] / calls if calls else 0.0
+            cells.append(f"{calls:>5} {rows / calls if calls else 0:>5.1f} {ms:>5.2f}")
+        print(f"{part:<44} " + " ".join(f"{c:>16}" for c in cells))
     for name, r in results.items():
         print(f"{name}: {r['tok_s']:.1f} tok/s, {r['tokens'] / r['decode_steps']:.2f} tokens per decode step")
     print(f"spec / plain: {results['spec']['tok_s'] / results['plain']['tok_s']:.2f}x")

@@ -134,7 +134,7 @@ static void tiles(const float* x, int64_t k_dim, const uint8_t* data, int64_t bl
 // from memory once and stay in cache for the remaining row tiles. A decode row takes one group (2
 // panels) at a time: the tile then reads one contiguous stream, which the hardware prefetcher keeps
 // ahead of; tiles over two groups (two streams a core) measured 15-20% slower. Verify rows take
-// 8 x 1 (AVX-512 only), 4 x 1, 3 x 1, 2 x 2 and 1 x 2 tiles.
+// 8 x 1 (AVX-512 only), 4 x kVerifyPanels, 3 x kVerifyPanels, 2 x 2 and 1 x 2 tiles.
 template <int BITS>
 static void quant_rows(const float* x, int64_t rows, int64_t k_dim, const uint8_t* data, int64_t block_bytes,
                        float* y, int64_t ldy, const float* bias, int64_t n, int64_t begin, int64_t end) {
@@ -145,11 +145,11 @@ static void quant_rows(const float* x, int64_t rows, int64_t k_dim, const uint8_
       for (; m + kWideRows <= rows; m += kWideRows)
         tiles<BITS, kWideRows, 1>(x + m * k_dim, k_dim, data, block_bytes, y + m * ldy, ldy, bias, n, p0, p1);
     for (; m + kQuantChains <= rows; m += kQuantChains)
-      tiles<BITS, kQuantChains, 1>(x + m * k_dim, k_dim, data, block_bytes, y + m * ldy, ldy, bias, n, p0, p1);
+      tiles<BITS, kQuantChains, kVerifyPanels>(x + m * k_dim, k_dim, data, block_bytes, y + m * ldy, ldy, bias, n, p0, p1);
     const float* xr = x + m * k_dim;
     float* yr = y + m * ldy;
     switch (rows - m) {
-      case 3: tiles<BITS, 3, 1>(xr, k_dim, data, block_bytes, yr, ldy, bias, n, p0, p1); break;
+      case 3: tiles<BITS, 3, kVerifyPanels>(xr, k_dim, data, block_bytes, yr, ldy, bias, n, p0, p1); break;
       case 2: tiles<BITS, 2, 2>(xr, k_dim, data, block_bytes, yr, ldy, bias, n, p0, p1); break;
       case 1: tiles<BITS, 1, 2>(xr, k_dim, data, block_bytes, yr, ldy, bias, n, p0, p1); break;
       default: break;
