@@ -20,9 +20,14 @@ draft model and its per-request state. One step is:
 
 Plain steps (the schedule's choice above some batch size, or too little free KV) run the target alone,
 as a plain server would: `defer_extend` keeps each new token's target features, and the draft extend
-over them runs later in one batch (`catch_up`): when the request speculates again, when it leaves
-(`release`, so the positions the radix cache keeps have current draft KV), or once it is
-MAX_DRAFT_LAG tokens behind (which bounds the features held).
+over them runs later in one batch (`catch_up`): when the request speculates again, or once it is
+MAX_DRAFT_LAG tokens behind (which bounds the features held). A request that leaves with rows still
+deferred parks them (`release`): the radix cache keeps its positions, and their draft extend runs only
+if a later request's cached prefix takes them in (`adopt_parked`, before that request's own draft
+extend at prefill). Under load most finished requests' text is never hit again, so a plain step of the
+schedule costs what a plain server's step costs. MAX_PARKED_ROWS bounds the rows kept; past it the
+oldest are dropped, and their positions keep a stale draft KV (worse drafts on a later hit there,
+never other outputs: the verify reads the target's KV alone).
 """
 
 from __future__ import annotations
@@ -53,7 +58,10 @@ from treespec.speculative.shapes import SpecSchedule, SpecShape
 from treespec.speculative.step_result import SpecStepResult, verify_tree_step
 from treespec.speculative.tree import DraftTree, make_draft_tree, root_only_tree, tree_from_parents
 
-MAX_DRAFT_LAG = 64  # plain-step tokens a request's draft may fall behind before it catches up
+# plain-step tokens a request's draft may fall behind before it catches up (EAGLE-3 features: ~7 KB a row)
+MAX_DRAFT_LAG = 256
+# rows of finished requests kept for a later prefix hit (~56 MB of EAGLE-3 features at most)
+MAX_PARKED_ROWS = 8192
 
 
 class DeferredRow(NamedTuple):
@@ -93,6 +101,8 @@ class EagleWorker:
         self.draft_states: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         # rid -> plain-step tokens whose draft extend has not run yet (positions in order, contiguous)
         self.deferred: dict[str, list[DeferredRow]] = {}
+        # KV slot -> a finished request's deferred row at that (cached) position, oldest first
+        self.parked: dict[int, DeferredRow] = {}
         # the hybrid's n-gram cache (speculative/hybrid.py): every request's prompt and committed tokens
         self.hybrid_ngram_tokens = args.speculative_hybrid_ngram_tokens
         self.ngram = NgramCache(hybrid_ngram_config(ngram_config(args))) if self.hybrid_ngram_tokens else None
@@ -124,6 +134,7 @@ class EagleWorker:
         already finished are run too: their slots may now hold cached prefix, which needs draft KV."""
         qo = batch.attn.qo_indptr.tolist()
         starts = batch.positions[torch.tensor(qo[:-1])].tolist()
+        self.adopt_parked(reqs, starts)
         input_ids: list[int] = []
         for req, n, start in zip(reqs, lens, starts, strict=True):
             input_ids.extend(req.all_ids[start + 1 : start + n + 1])
@@ -196,10 +207,18 @@ class EagleWorker:
         if not reqs:
             return
         rows = [self.deferred.pop(r.rid) for r in reqs]
-        counts = [len(x) for x in rows]
-        flat = [row for x in rows for row in x]
         # causal over each request's prefix and its deferred rows (their slots are in req_to_token)
         kv_lists = [self.req_to_token_pool.read(r.req_pool_idx, 0, x[-1].position + 1) for r, x in zip(reqs, rows, strict=True)]
+        out = self._extend_rows(kv_lists, rows)
+        for i, req in enumerate(reqs):
+            if not req.finished:
+                self.draft_states[req.rid] = (out.logits[i], out.hidden_states[i])
+
+    def _extend_rows(self, kv_lists: list[torch.Tensor], rows: list[list[DeferredRow]]) -> ModelOutput:
+        """One draft extend over runs of rows, run i causal over kv_lists[i] (its positions are that
+        list's last ones); logits and hidden state at each run's last row."""
+        counts = [len(x) for x in rows]
+        flat = [row for x in rows for row in x]
         last_rows = torch.cumsum(torch.tensor(counts), 0) - 1
         dbatch = draft_extend_batch(
             torch.tensor([row.next_token for row in flat], device=self.device),
@@ -207,17 +226,46 @@ class EagleWorker:
             torch.tensor([row.slot for row in flat], device=self.device),
             build_metadata(counts, kv_lists, device=self.device),
             torch.stack([row.features for row in flat]), last_rows.to(self.device))
-        out = self.draft.forward(dbatch)
-        for i, req in enumerate(reqs):
-            if not req.finished:
-                self.draft_states[req.rid] = (out.logits[i], out.hidden_states[i])
+        return self.draft.forward(dbatch)
+
+    def adopt_parked(self, reqs: list[Req], starts: list[int]) -> None:
+        """Before a prefill's draft extend: the parked rows at positions of each request's cached prefix
+        (its first `starts[b]` positions) run now, in one draft extend, so the draft KV it attends to is
+        current. A row counts only at its own position with its own next token there."""
+        if not self.parked:
+            return
+        keys = torch.tensor(list(self.parked), dtype=torch.int64)
+        kv_lists: list[torch.Tensor] = []
+        runs: list[list[DeferredRow]] = []
+        for req, start in zip(reqs, starts, strict=True):
+            if start == 0:
+                continue
+            prefix = self.req_to_token_pool.read(req.req_pool_idx, 0, start).to(torch.int64).cpu()
+            hits = torch.isin(prefix, keys).nonzero().flatten().tolist()
+            rows = []
+            for p in hits:
+                row = self.parked.get(int(prefix[p]))
+                if row is not None and row.position == p and req.all_ids[p + 1] == row.next_token:
+                    rows.append(self.parked.pop(row.slot))
+            for run in _contiguous_runs(rows):
+                kv_lists.append(prefix[: run[-1].position + 1])
+                runs.append(run)
+        if runs:
+            self._extend_rows(kv_lists, runs)
+
+    def _park(self, rows: list[DeferredRow]) -> None:
+        for row in rows:
+            self.parked.pop(row.slot, None)  # a slot parked before holds older text: this row replaces it
+            self.parked[row.slot] = row
+        while len(self.parked) > MAX_PARKED_ROWS:
+            del self.parked[next(iter(self.parked))]  # the oldest: its position keeps a stale draft KV
 
     def release(self, req: Req, keep_draft_kv: bool) -> None:
-        """The request leaves (finished, aborted, retracted) while it still holds its KV slots: bring its
-        draft KV up to date if its positions stay cached, then forget it."""
-        if keep_draft_kv:
-            self.catch_up([req])
-        self.deferred.pop(req.rid, None)
+        """The request leaves (finished, aborted, retracted) while it still holds its KV slots: rows whose
+        positions stay cached are parked for a later prefix hit (`adopt_parked`); then forget it."""
+        rows = self.deferred.pop(req.rid, None)
+        if keep_draft_kv and rows:
+            self._park(rows)
         self.draft_states.pop(req.rid, None)
         self.ngram_budget.pop(req.rid, None)
         self.head_records.pop(req.rid, None)
@@ -313,3 +361,14 @@ class EagleWorker:
         self._insert_text(reqs)
         budgets = [self.ngram_budget.get(r.rid, (self.hybrid_ngram_tokens, 0))[0] for r in reqs]
         return [self.ngram.draft(r.all_ids, n) for r, n in zip(reqs, budgets, strict=True)]
+
+
+def _contiguous_runs(rows: list[DeferredRow]) -> list[list[DeferredRow]]:
+    """Rows in position order, split where a position is skipped."""
+    runs: list[list[DeferredRow]] = []
+    for row in rows:
+        if runs and runs[-1][-1].position + 1 == row.position:
+            runs[-1].append(row)
+        else:
+            runs.append([row])
+    return runs

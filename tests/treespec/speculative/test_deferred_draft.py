@@ -91,9 +91,15 @@ def test_finished_plain_request_leaves_current_draft_kv(dirs, algorithm, catch_u
     sched.add_request("filler", OTHER, SamplingParams(max_new_tokens=12, **GREEDY))
     drive(eng)  # two running requests: every decode step is plain
     assert first.spec_verify_ct == 0
+    parked = dict(sched.spec_worker.parked)
+    if catch_up_on_release:  # the finished requests' plain-step rows wait for a prefix hit, not run
+        assert {row.position for row in parked.values()} >= set(range(len(PROMPT), first.kv_len))
     follow_up = first.all_ids + [64, 9, 8]
     warm, _ = prefilled_state(eng, follow_up, 4)
     assert sched.running[0].cached_tokens >= len(first.all_ids) - 2  # hit the finished request's KV
+    if catch_up_on_release:  # the hit took in the parked rows of its prefix, and only those
+        hit = set(sched.running[0].prefix_indices.tolist())
+        assert set(sched.spec_worker.parked) == set(parked) - hit != set(parked)
     cold, _ = prefilled_state(engine(dirs, algorithm), follow_up, 4)
     if catch_up_on_release:
         torch.testing.assert_close(warm, cold, rtol=1e-4, atol=1e-4)
@@ -161,3 +167,36 @@ def test_speculative_steps_defer_their_draft_extend_exactly(lookup_dirs, algorit
     reference, first = prefilled_state(lookup_engine(), req.all_ids[:-1], 2)
     assert first == req.all_ids[-1:]
     torch.testing.assert_close(caught_up, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_release_runs_no_draft_forward_and_parked_rows_are_bounded(dirs, monkeypatch) -> None:
+    """Under load a finished request's deferred rows cost nothing when it leaves; the rows kept for a
+    later hit never exceed MAX_PARKED_ROWS, the oldest going first."""
+    monkeypatch.setattr(eagle_worker, "MAX_PARKED_ROWS", 10)
+    eng = engine(dirs, "EAGLE3")
+    sched, worker = eng.scheduler, eng.scheduler.spec_worker
+    forwards = []
+    draft_forward = worker.draft.forward
+    monkeypatch.setattr(worker.draft, "forward", lambda batch: forwards.append(batch) or draft_forward(batch))
+    forwards_in_release = []
+    release = worker.release
+
+    def counting_release(req, keep_draft_kv):
+        before = len(forwards)
+        release(req, keep_draft_kv)
+        forwards_in_release.append(len(forwards) - before)
+
+    monkeypatch.setattr(worker, "release", counting_release)
+    for i in range(3):
+        sched.add_request(f"r{i}", [7 + i, 30, 2 + i, 11], SamplingParams(max_new_tokens=9, **GREEDY))
+    drive(eng)
+    assert forwards and forwards_in_release == [0, 0, 0]
+    assert 0 < len(worker.parked) <= 10
+    newest = [row.position for row in worker.parked.values()]
+    assert newest[-1] == max(newest)  # the last request's rows are kept, the oldest dropped
+
+
+def test_contiguous_runs_split_where_a_position_is_skipped() -> None:
+    row = lambda p: eagle_worker.DeferredRow(p, 100 + p, 0, torch.zeros(1))  # noqa: E731
+    runs = eagle_worker._contiguous_runs([row(3), row(4), row(6), row(7), row(8), row(10)])
+    assert [[r.position for r in run] for run in runs] == [[3, 4], [6, 7, 8], [10]]
