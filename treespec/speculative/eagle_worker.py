@@ -21,7 +21,8 @@ draft model and its per-request state. One step is:
 Plain steps (the schedule's choice above some batch size, or too little free KV) run the target alone,
 as a plain server would: `defer_extend` keeps each new token's target features, and the draft extend
 over them runs later in one batch (`catch_up`): when the request speculates again, or once it is
-MAX_DRAFT_LAG tokens behind (which bounds the features held). A request that leaves with rows still
+MAX_DRAFT_LAG tokens behind or the running requests hold more than MAX_DEFERRED_ROWS (which bounds the
+features held). A prefill's rows are deferred the same way. A request that leaves with rows still
 deferred parks them (`release`): the radix cache keeps its positions, and their draft extend runs only
 if a later request's cached prefix takes them in (`adopt_parked`, before that request's own draft
 extend at prefill). Under load most finished requests' text is never hit again, so a plain step of the
@@ -58,8 +59,10 @@ from treespec.speculative.shapes import SpecSchedule, SpecShape
 from treespec.speculative.step_result import SpecStepResult, verify_tree_step
 from treespec.speculative.tree import DraftTree, make_draft_tree, root_only_tree, tree_from_parents
 
-# plain-step tokens a request's draft may fall behind before it catches up (EAGLE-3 features: ~7 KB a row)
-MAX_DRAFT_LAG = 256
+# deferred rows (prompt and plain-step tokens) a request may hold before it catches up, and all running
+# requests together (EAGLE-3 features: ~7 KB a row, so ~56 MB); past the total the longest lists run
+MAX_DRAFT_LAG = 2048
+MAX_DEFERRED_ROWS = 8192
 # rows of finished requests kept for a later prefix hit (~56 MB of EAGLE-3 features at most)
 MAX_PARKED_ROWS = 8192
 
@@ -101,6 +104,9 @@ class EagleWorker:
         self.draft_states: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         # rid -> plain-step tokens whose draft extend has not run yet (positions in order, contiguous)
         self.deferred: dict[str, list[DeferredRow]] = {}
+        # KV slot -> the running request whose deferred rows hold it (another request's prefix hit may
+        # take them in: `adopt_parked`)
+        self.deferred_owner: dict[int, str] = {}
         # KV slot -> a finished request's deferred row at that (cached) position, oldest first
         self.parked: dict[int, DeferredRow] = {}
         # the hybrid's n-gram cache (speculative/hybrid.py): every request's prompt and committed tokens
@@ -130,14 +136,23 @@ class EagleWorker:
 
     def after_prefill(self, reqs: list[Req], lens: list[int], batch: ForwardBatch, output: ModelOutput) -> None:
         """Draft extend over the tokens the target just prefilled (same slots and attention). A chunk's
-        last position takes the next prompt token, a finished prefill's the sampled one. Requests that
-        already finished are run too: their slots may now hold cached prefix, which needs draft KV."""
+        last position takes the next prompt token, a finished prefill's the sampled one. The rows are
+        deferred like a plain step's (`catch_up` runs them when the request first drafts; under load
+        it may never draft, and its prompt's rows end up parked). Requests that already finished are
+        run at once: their slots may now hold cached prefix, which needs draft KV."""
         qo = batch.attn.qo_indptr.tolist()
         starts = batch.positions[torch.tensor(qo[:-1])].tolist()
         self.adopt_parked(reqs, starts)
         input_ids: list[int] = []
         for req, n, start in zip(reqs, lens, starts, strict=True):
             input_ids.extend(req.all_ids[start + 1 : start + n + 1])
+        if not any(req.finished for req in reqs):
+            feats = self._draft_features(output)
+            positions, slots = batch.positions.tolist(), batch.out_cache_loc.tolist()
+            self._defer(reqs, [[DeferredRow(positions[i], slots[i], input_ids[i], feats[i]) for i in range(a, b)]
+                               for a, b in zip(qo, qo[1:], strict=False)])
+            return
+        self.catch_up([r for r in reqs if not r.finished])  # earlier chunks' deferred rows first
         last_rows = torch.tensor(qo[1:], device=self.device) - 1
         dbatch = draft_extend_batch(torch.tensor(input_ids, device=self.device), batch.positions,
                                     batch.out_cache_loc, batch.attn, self._draft_features(output), last_rows)
@@ -183,11 +198,22 @@ class EagleWorker:
 
     def _defer(self, reqs: list[Req], rows: list[list[DeferredRow]]) -> None:
         """Queue each request's new rows for its next catch-up (its draft state is stale until then); a
-        running request MAX_DRAFT_LAG rows behind catches up now, which bounds the features held."""
+        running request MAX_DRAFT_LAG rows behind catches up now, and past MAX_DEFERRED_ROWS held in all
+        the longest of these requests' lists do: that bounds the features held."""
         for req, new in zip(reqs, rows, strict=True):
             self.draft_states.pop(req.rid, None)
             self.deferred.setdefault(req.rid, []).extend(new)
+            self.deferred_owner.update((row.slot, req.rid) for row in new)
         self.catch_up([r for r in reqs if not r.finished and len(self.deferred[r.rid]) >= MAX_DRAFT_LAG])
+        held = {r.rid: len(self.deferred.get(r.rid, ())) for r in reqs if not r.finished}
+        total = sum(len(x) for x in self.deferred.values())
+        longest_first = []
+        for rid in sorted(held, key=held.get, reverse=True):
+            if total <= MAX_DEFERRED_ROWS:
+                break
+            longest_first.append(rid)
+            total -= held[rid]
+        self.catch_up([r for r in reqs if r.rid in longest_first])
 
     def wants_drafts(self, reqs: list[Req]) -> bool:
         """Whether any request's drafts are worth a verify this step: its head drafts (by its measured
@@ -207,6 +233,7 @@ class EagleWorker:
         if not reqs:
             return
         rows = [self.deferred.pop(r.rid) for r in reqs]
+        self._disown(rows)
         # causal over each request's prefix and its deferred rows (their slots are in req_to_token)
         kv_lists = [self.req_to_token_pool.read(r.req_pool_idx, 0, x[-1].position + 1) for r, x in zip(reqs, rows, strict=True)]
         out = self._extend_rows(kv_lists, rows)
@@ -230,28 +257,52 @@ class EagleWorker:
 
     def adopt_parked(self, reqs: list[Req], starts: list[int]) -> None:
         """Before a prefill's draft extend: the parked rows at positions of each request's cached prefix
-        (its first `starts[b]` positions) run now, in one draft extend, so the draft KV it attends to is
-        current. A row counts only at its own position with its own next token there."""
-        if not self.parked:
+        (its first `starts[b]` positions), and the deferred rows of running requests there (a shared
+        prefix, such as a system prompt), run now in one draft extend, so the draft KV this prefill
+        attends to is current. A parked row counts only at its own position with its own next token."""
+        if not self.parked and not self.deferred_owner:
             return
-        keys = torch.tensor(list(self.parked), dtype=torch.int64)
+        keys = torch.tensor([*self.parked, *self.deferred_owner], dtype=torch.int64)
         kv_lists: list[torch.Tensor] = []
         runs: list[list[DeferredRow]] = []
+        emptied: dict[str, int] = {}  # owner whose deferred rows were all taken -> its run's index
         for req, start in zip(reqs, starts, strict=True):
-            if start == 0:
+            if start == 0 or req.req_pool_idx is None:  # no cached prefix, or already released
                 continue
             prefix = self.req_to_token_pool.read(req.req_pool_idx, 0, start).to(torch.int64).cpu()
             hits = torch.isin(prefix, keys).nonzero().flatten().tolist()
-            rows = []
+            rows, owners = [], {}
             for p in hits:
-                row = self.parked.get(int(prefix[p]))
+                slot = int(prefix[p])
+                row = self.parked.get(slot)
                 if row is not None and row.position == p and req.all_ids[p + 1] == row.next_token:
-                    rows.append(self.parked.pop(row.slot))
+                    rows.append(self.parked.pop(slot))
+                elif self.deferred_owner.get(slot, req.rid) != req.rid:  # its own earlier chunks wait
+                    owners[self.deferred_owner[slot]] = p
             for run in _contiguous_runs(rows):
                 kv_lists.append(prefix[: run[-1].position + 1])
                 runs.append(run)
+            for owner, last in owners.items():  # the owner's rows up to `last`: a prefix of its list
+                pending = self.deferred.get(owner, [])
+                taken = [row for row in pending if row.position <= last]
+                if not taken:
+                    continue
+                self.deferred[owner] = pending[len(taken) :]
+                self._disown([taken])
+                kv_lists.append(prefix[: taken[-1].position + 1])
+                runs.append(taken)
+                if not self.deferred[owner]:
+                    del self.deferred[owner]
+                    emptied[owner] = len(runs) - 1
         if runs:
-            self._extend_rows(kv_lists, runs)
+            out = self._extend_rows(kv_lists, runs)
+            for owner, i in emptied.items():  # caught up whole: its draft state is this run's last row
+                self.draft_states[owner] = (out.logits[i], out.hidden_states[i])
+
+    def _disown(self, rows: list[list[DeferredRow]]) -> None:
+        for run in rows:
+            for row in run:
+                self.deferred_owner.pop(row.slot, None)
 
     def _park(self, rows: list[DeferredRow]) -> None:
         for row in rows:
@@ -264,6 +315,8 @@ class EagleWorker:
         """The request leaves (finished, aborted, retracted) while it still holds its KV slots: rows whose
         positions stay cached are parked for a later prefix hit (`adopt_parked`); then forget it."""
         rows = self.deferred.pop(req.rid, None)
+        if rows:
+            self._disown([rows])
         if keep_draft_kv and rows:
             self._park(rows)
         self.draft_states.pop(req.rid, None)

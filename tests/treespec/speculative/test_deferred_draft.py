@@ -57,6 +57,7 @@ def prefilled_state(eng: Engine, prompt: list[int], max_new: int) -> tuple[torch
     sched = eng.scheduler
     req = sched.add_request("probe", prompt, SamplingParams(max_new_tokens=max_new, **GREEDY))
     drive(eng, until=lambda: req in sched.running or req.finished)
+    sched.spec_worker.catch_up([req])  # the prompt's draft extend waits for the request's first draft
     return sched.spec_worker.draft_states["probe"][0].clone(), list(req.output_ids)
 
 
@@ -85,8 +86,9 @@ def test_resumed_speculation_starts_from_an_exact_draft_state(dirs, algorithm) -
 def test_finished_plain_request_leaves_current_draft_kv(dirs, algorithm, catch_up_on_release, monkeypatch) -> None:
     eng = engine(dirs, algorithm)
     sched = eng.scheduler
-    if not catch_up_on_release:  # control: what the catch-up on release protects against
-        monkeypatch.setattr(sched.spec_worker, "release", lambda req, keep_draft_kv: None)
+    if not catch_up_on_release:  # control: what parking on release protects against (rows dropped)
+        release = sched.spec_worker.release
+        monkeypatch.setattr(sched.spec_worker, "release", lambda req, keep_draft_kv: release(req, False))
     first = sched.add_request("first", PROMPT, SamplingParams(max_new_tokens=12, **GREEDY))
     sched.add_request("filler", OTHER, SamplingParams(max_new_tokens=12, **GREEDY))
     drive(eng)  # two running requests: every decode step is plain
@@ -190,7 +192,7 @@ def test_release_runs_no_draft_forward_and_parked_rows_are_bounded(dirs, monkeyp
     for i in range(3):
         sched.add_request(f"r{i}", [7 + i, 30, 2 + i, 11], SamplingParams(max_new_tokens=9, **GREEDY))
     drive(eng)
-    assert forwards and forwards_in_release == [0, 0, 0]
+    assert forwards_in_release == [0, 0, 0]
     assert 0 < len(worker.parked) <= 10
     newest = [row.position for row in worker.parked.values()]
     assert newest[-1] == max(newest)  # the last request's rows are kept, the oldest dropped
@@ -200,3 +202,43 @@ def test_contiguous_runs_split_where_a_position_is_skipped() -> None:
     row = lambda p: eagle_worker.DeferredRow(p, 100 + p, 0, torch.zeros(1))  # noqa: E731
     runs = eagle_worker._contiguous_runs([row(3), row(4), row(6), row(7), row(8), row(10)])
     assert [[r.position for r in run] for run in runs] == [[3, 4], [6, 7, 8], [10]]
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+def test_prefix_hit_on_a_running_request_takes_its_deferred_rows(dirs, algorithm) -> None:
+    """Under load a running request's prompt rows wait (deferred); another request whose cached prefix
+    runs through them (a shared system prompt) takes them in at its prefill: its draft state equals a
+    cold prefill's, and the first request keeps only its later rows and still decodes exactly."""
+    eng = engine(dirs, algorithm)
+    sched, worker = eng.scheduler, eng.scheduler.spec_worker
+    first = sched.add_request("first", PROMPT, SamplingParams(max_new_tokens=16, **GREEDY))
+    sched.add_request("filler", OTHER, SamplingParams(max_new_tokens=16, **GREEDY))
+    drive(eng, until=lambda: len(first.output_ids) >= 3)
+    assert worker.deferred["first"][0].position == 0  # the prompt's rows wait too
+    follow_up = PROMPT + [64, 9, 8]
+    warm, _ = prefilled_state(eng, follow_up, 4)
+    assert sched.running[-1].cached_tokens >= len(PROMPT) - 1
+    assert worker.deferred["first"][0].position >= len(PROMPT) - 1  # its shared rows were taken
+    cold, _ = prefilled_state(engine(dirs, algorithm), follow_up, 4)
+    torch.testing.assert_close(warm, cold, rtol=1e-4, atol=1e-4)
+    drive(eng)
+    plain = Engine(model_path=str(dirs[algorithm][0]), dtype="float32", max_total_tokens=2048)
+    assert first.output_ids == plain.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 16, **GREEDY})[
+        "output_ids"]
+
+
+def test_rows_held_by_all_running_requests_are_bounded(dirs, monkeypatch) -> None:
+    monkeypatch.setattr(eagle_worker, "MAX_DEFERRED_ROWS", 12)
+    eng = engine(dirs, "EAGLE3")
+    sched, worker = eng.scheduler, eng.scheduler.spec_worker
+    for rid, prompt in (("a", PROMPT), ("b", OTHER), ("c", PROMPT[::-1])):
+        sched.add_request(rid, prompt, SamplingParams(max_new_tokens=20, **GREEDY))
+    most = 0
+
+    def check() -> bool:
+        nonlocal most
+        most = max(most, sum(len(rows) for rows in worker.deferred.values()))
+        return False
+
+    drive(eng, until=check)
+    assert 8 <= most <= 12 and not worker.deferred

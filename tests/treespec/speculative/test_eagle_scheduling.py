@@ -67,6 +67,7 @@ def prefill_state(engine: Engine, rid: str, prompt: list[int], params: SamplingP
     req = sched.add_request(rid, prompt, params)
     while req not in sched.running and not req.finished:
         sched.step()
+    sched.spec_worker.catch_up([req])  # the prompt's draft extend waits for the request's first draft
     logits, _ = sched.spec_worker.draft_states[rid]
     return req, logits.clone()
 

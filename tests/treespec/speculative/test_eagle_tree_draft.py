@@ -76,6 +76,7 @@ def draft_one_step(engine: Engine, prompts: list[list[int]], monkeypatch) -> tup
     reqs = [sched.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
     while len(sched.running) < len(reqs):
         sched.step()
+    worker.catch_up(reqs)  # the prompts' draft extend (deferred) runs first, as the step would run it
     prefixes = {r.rid: sched.req_to_token_pool.read(r.req_pool_idx, 0, r.kv_len).clone() for r in reqs}
     states = {rid: (logits.clone(), hidden.clone()) for rid, (logits, hidden) in worker.draft_states.items()}
     with monkeypatch.context() as patch:
