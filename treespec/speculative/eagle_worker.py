@@ -149,8 +149,11 @@ class EagleWorker:
         if not any(req.finished for req in reqs):
             feats = self._draft_features(output)
             positions, slots = batch.positions.tolist(), batch.out_cache_loc.tolist()
-            self._defer(reqs, [[DeferredRow(positions[i], slots[i], input_ids[i], feats[i]) for i in range(a, b)]
-                               for a, b in zip(qo, qo[1:], strict=False)])
+            rows = []
+            for a, b in zip(qo, qo[1:], strict=False):
+                own = feats[a:b].clone()  # a request's rows must not keep the whole batch's features alive
+                rows.append([DeferredRow(positions[i], slots[i], input_ids[i], own[i - a]) for i in range(a, b)])
+            self._defer(reqs, rows)
             return
         self.catch_up([r for r in reqs if not r.finished])  # earlier chunks' deferred rows first
         last_rows = torch.tensor(qo[1:], device=self.device) - 1
