@@ -104,9 +104,6 @@ class EagleWorker:
         self.draft_states: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         # rid -> plain-step tokens whose draft extend has not run yet (positions in order, contiguous)
         self.deferred: dict[str, list[DeferredRow]] = {}
-        # KV slot -> the running request whose deferred rows hold it (another request's prefix hit may
-        # take them in: `adopt_parked`)
-        self.deferred_owner: dict[int, str] = {}
         # KV slot -> a finished request's deferred row at that (cached) position, oldest first
         self.parked: dict[int, DeferredRow] = {}
         # the hybrid's n-gram cache (speculative/hybrid.py): every request's prompt and committed tokens
@@ -206,17 +203,16 @@ class EagleWorker:
         for req, new in zip(reqs, rows, strict=True):
             self.draft_states.pop(req.rid, None)
             self.deferred.setdefault(req.rid, []).extend(new)
-            self.deferred_owner.update((row.slot, req.rid) for row in new)
-        self.catch_up([r for r in reqs if not r.finished and len(self.deferred[r.rid]) >= MAX_DRAFT_LAG])
-        held = {r.rid: len(self.deferred.get(r.rid, ())) for r in reqs if not r.finished}
-        total = sum(len(x) for x in self.deferred.values())
-        longest_first = []
-        for rid in sorted(held, key=held.get, reverse=True):
+        running = [r for r in reqs if not r.finished]
+        due = {r.rid for r in running if len(self.deferred[r.rid]) >= MAX_DRAFT_LAG}
+        total = sum(len(x) for rid, x in self.deferred.items() if rid not in due)
+        for req in sorted(running, key=lambda r: len(self.deferred[r.rid]), reverse=True):
             if total <= MAX_DEFERRED_ROWS:
                 break
-            longest_first.append(rid)
-            total -= held[rid]
-        self.catch_up([r for r in reqs if r.rid in longest_first])
+            if req.rid not in due:
+                due.add(req.rid)
+                total -= len(self.deferred[req.rid])
+        self.catch_up([r for r in running if r.rid in due])  # one draft forward for all that are due
 
     def wants_drafts(self, reqs: list[Req]) -> bool:
         """Whether any request's drafts are worth a verify this step: its head drafts (by its measured
@@ -236,7 +232,6 @@ class EagleWorker:
         if not reqs:
             return
         rows = [self.deferred.pop(r.rid) for r in reqs]
-        self._disown(rows)
         # causal over each request's prefix and its deferred rows (their slots are in req_to_token)
         kv_lists = [self.req_to_token_pool.read(r.req_pool_idx, 0, x[-1].position + 1) for r, x in zip(reqs, rows, strict=True)]
         out = self._extend_rows(kv_lists, rows)
@@ -263,9 +258,11 @@ class EagleWorker:
         (its first `starts[b]` positions), and the deferred rows of running requests there (a shared
         prefix, such as a system prompt), run now in one draft extend, so the draft KV this prefill
         attends to is current. A parked row counts only at its own position with its own next token."""
-        if not self.parked and not self.deferred_owner:
+        if not any(start > 0 for start in starts) or not (self.parked or self.deferred):
             return
-        keys = torch.tensor([*self.parked, *self.deferred_owner], dtype=torch.int64)
+        # KV slot -> the running request whose deferred rows hold it (derived here, off the hot path)
+        owner_of = {row.slot: rid for rid, pending in self.deferred.items() for row in pending}
+        keys = torch.tensor([*self.parked, *owner_of], dtype=torch.int64)
         kv_lists: list[torch.Tensor] = []
         runs: list[list[DeferredRow]] = []
         emptied: dict[str, int] = {}  # owner whose deferred rows were all taken -> its run's index
@@ -280,18 +277,17 @@ class EagleWorker:
                 row = self.parked.get(slot)
                 if row is not None and row.position == p and req.all_ids[p + 1] == row.next_token:
                     rows.append(self.parked.pop(slot))
-                elif self.deferred_owner.get(slot, req.rid) != req.rid:  # its own earlier chunks wait
-                    owners[self.deferred_owner[slot]] = p
+                elif owner_of.get(slot, req.rid) != req.rid:  # its own earlier chunks wait
+                    owners[owner_of[slot]] = p
             for run in _contiguous_runs(rows):
                 kv_lists.append(prefix[: run[-1].position + 1])
                 runs.append(run)
             for owner, last in owners.items():  # the owner's rows up to `last`: a prefix of its list
                 pending = self.deferred.get(owner, [])
                 taken = [row for row in pending if row.position <= last]
-                if not taken:
+                if not taken:  # another request of this batch took them already
                     continue
                 self.deferred[owner] = pending[len(taken) :]
-                self._disown([taken])
                 kv_lists.append(prefix[: taken[-1].position + 1])
                 runs.append(taken)
                 if not self.deferred[owner]:
@@ -301,11 +297,6 @@ class EagleWorker:
             out = self._extend_rows(kv_lists, runs)
             for owner, i in emptied.items():  # caught up whole: its draft state is this run's last row
                 self.draft_states[owner] = (out.logits[i], out.hidden_states[i])
-
-    def _disown(self, rows: list[list[DeferredRow]]) -> None:
-        for run in rows:
-            for row in run:
-                self.deferred_owner.pop(row.slot, None)
 
     def _park(self, rows: list[DeferredRow]) -> None:
         for row in rows:
@@ -318,8 +309,6 @@ class EagleWorker:
         """The request leaves (finished, aborted, retracted) while it still holds its KV slots: rows whose
         positions stay cached are parked for a later prefix hit (`adopt_parked`); then forget it."""
         rows = self.deferred.pop(req.rid, None)
-        if rows:
-            self._disown([rows])
         if keep_draft_kv and rows:
             self._park(rows)
         self.draft_states.pop(req.rid, None)
