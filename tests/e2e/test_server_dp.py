@@ -99,7 +99,9 @@ async def _load(base_url: str, n: int, kill_after: int, kill) -> list[int]:
     async with httpx.AsyncClient(timeout=300) as client:
         async def one(i: int) -> int:
             body = {"text": f"Request {i}: tell a long story about the number {i}.",
-                    "sampling_params": {"max_new_tokens": 24, "ignore_eos": True, "temperature": 0}}
+                    # long enough to outlast the 0.2 s between two requests to one replica, so the kill
+                    # finds some in flight: at 24 tokens a faster decode finished them first (0 in flight)
+                    "sampling_params": {"max_new_tokens": 96, "ignore_eos": True, "temperature": 0}}
             try:
                 return (await client.post(f"{base_url}/generate", json=body)).status_code
             except httpx.HTTPError:
