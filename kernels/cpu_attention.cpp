@@ -87,6 +87,29 @@ static void weighted_sum(const float* p, int64_t n, const int64_t* slots, const 
   }
 }
 
+// Scores s[0, n) (padded with -inf to a multiple of 8) -> exp(s - max) in place; returns 1 / their sum
+// (0 where no column is visible: the output is then 0).
+static float softmax_in_place(float* s, int64_t n) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int64_t padded = (n + 7) / 8 * 8;
+  __m256 mv = _mm256_set1_ps(kNegInf);
+  for (int64_t j = 0; j < padded; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mv);
+  float m = lanes[0];
+  for (float x : lanes) m = std::max(m, x);
+  if (n == 0) m = 0.f;
+  const __m256 mb = _mm256_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < padded; j += 8) {  // padding is -inf: exp gives exactly 0
+    const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), mb));
+    _mm256_storeu_ps(s + j, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  const float denom = hsum(sum);
+  return denom > 0.f ? 1.f / denom : 0.f;
+}
+
 struct Scratch {
   std::vector<float> scores;
   std::vector<int64_t> visible;  // a masked row's visible slots, in column order
@@ -116,33 +139,81 @@ static void attend(const Request& req, int64_t i, int64_t kv_head, const float* 
     if (j + kPrefetchAhead < n) prefetch_row(pool.row(pool.k, slots[j + kPrefetchAhead], kv_head), pool.head_dim);
     s[j] = dot(q_head, pool.row(pool.k, slots[j], kv_head), pool.head_dim) * scale;
   }
-  __m256 mv = _mm256_set1_ps(kNegInf);
-  for (int64_t j = 0; j < padded; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, mv);
-  float m = lanes[0];
-  for (float x : lanes) m = std::max(m, x);
-  if (n == 0) m = 0.f;  // no visible column: the output is 0
-  const __m256 mb = _mm256_set1_ps(m);
-  __m256 sum = _mm256_setzero_ps();
-  for (int64_t j = 0; j < padded; j += 8) {  // padding is -inf: exp gives exactly 0
-    const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), mb));
-    _mm256_storeu_ps(s + j, p);
-    sum = _mm256_add_ps(sum, p);
-  }
-  const float denom = hsum(sum);
+  const float inv = softmax_in_place(s, n);
   weighted_sum(s, n, slots, pool, kv_head, out);
-  const float inv = denom > 0.f ? 1.f / denom : 0.f;
   for (int64_t d = 0; d < pool.head_dim; ++d) out[d] *= inv;
+}
+
+#include "cpu_attention_avx512.h"
+
+// The AVX-512 path (head_dim a multiple of 16, at most 128): per request the leading columns all its rows see and
+// each row's visible columns after them; units of (request, KV head, rows) over the threads.
+static void attention_avx512_units(const std::vector<Request>& reqs, int64_t num_rows, int64_t num_heads,
+                                   int64_t group, const float* qp, int64_t q_row_stride, const Pool& pool,
+                                   const int64_t* slots, const uint8_t* mask, float scale, float* op) {
+  const int64_t bs = static_cast<int64_t>(reqs.size()), num_kv_heads = num_heads / group;
+  std::vector<int64_t> shared(bs);
+  std::vector<std::vector<int64_t>> tails(num_rows);
+  for (int64_t b = 0; b < bs; ++b) {
+    const Request& req = reqs[b];
+    const int64_t* req_slots = slots + req.kv_start;
+    if (req.mask_bit < 0) {  // bottom-right causal: row i sees kv_len - q_len + i + 1 columns
+      auto seen = [&](int64_t i) { return std::clamp<int64_t>(req.kv_len - req.q_len + i + 1, 0, req.kv_len); };
+      shared[b] = seen(0);
+      for (int64_t i = 0; i < req.q_len; ++i) tails[req.q_start + i].assign(req_slots + shared[b], req_slots + seen(i));
+      continue;
+    }
+    auto visible = [&](int64_t i, int64_t j) {
+      const int64_t bit = req.mask_bit + i * req.kv_len + j;
+      return (mask[bit >> 3] >> (bit & 7)) & 1;
+    };
+    int64_t common = req.kv_len;
+    for (int64_t i = 0; i < req.q_len; ++i) {
+      int64_t lead = 0;
+      while (lead < common && visible(i, lead)) ++lead;
+      common = lead;
+    }
+    shared[b] = req.q_len > 0 ? common : 0;
+    for (int64_t i = 0; i < req.q_len; ++i)
+      for (int64_t j = shared[b]; j < req.kv_len; ++j)
+        if (visible(i, j)) tails[req.q_start + i].push_back(req_slots[j]);
+  }
+  // Units: up to 4 rows x all heads of a KV head, fewer rows where that leaves threads idle (heads stay
+  // together: a unit of one query runs its V sums as a few fma chains, latency-bound). Rows split evenly
+  // within a request so the units of one request weigh alike.
+  const int64_t want = 2 * at::get_num_threads();
+  int64_t max_rows = 4;
+  auto chunks = [](int64_t n, int64_t most) { return (n + most - 1) / most; };
+  auto unit_count = [&] {
+    int64_t total = 0;
+    for (const Request& req : reqs) total += num_kv_heads * chunks(req.q_len, max_rows);
+    return total;
+  };
+  while (unit_count() < want && max_rows > 1) max_rows /= 2;
+  std::vector<attention_avx512::Unit> units;
+  for (int64_t b = 0; b < bs; ++b) {
+    const int64_t q_len = reqs[b].q_len, row_chunks = chunks(q_len, max_rows);
+    for (int64_t g = 0; g < num_kv_heads; ++g)
+      for (int64_t c = 0; c < row_chunks; ++c)
+        units.push_back({b, g, q_len * c / row_chunks, q_len * (c + 1) / row_chunks, g * group, (g + 1) * group});
+  }
+  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const auto& u = units[i];
+      attention_avx512::run_unit_any(pool.head_dim / 16, u, reqs[u.req], qp, q_row_stride, num_heads, pool, slots,
+                                     shared[u.req], tails, scale, op);
+    }
+  });
 }
 
 // q [T, H, D]; k_buf, v_buf [slots, Hkv, D]; qo_indptr, kv_indptr int64 [bs + 1] (host);
 // kv_indices int64; custom_mask uint8 packed bits with mask_indptr int64 [bs + 1] byte offsets, or
-// empty tensors for bottom-right causal attention. Returns [T, H, D].
+// empty tensors for bottom-right causal attention. avx512: run the AVX-512 code (same bits) where
+// head_dim is a multiple of 16. Returns [T, H, D].
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_buf, const torch::Tensor& v_buf,
                         const torch::Tensor& qo_indptr, const torch::Tensor& kv_indptr,
                         const torch::Tensor& kv_indices, const torch::Tensor& custom_mask,
-                        const torch::Tensor& mask_indptr, double scale) {
+                        const torch::Tensor& mask_indptr, double scale, bool avx512) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) && q.scalar_type() == torch::kFloat32,
               "attention: q must be fp32 [T, H, D] with contiguous rows");
   TORCH_CHECK(k_buf.dim() == 3 && k_buf.is_contiguous() && v_buf.is_contiguous() && k_buf.sizes() == v_buf.sizes() &&
@@ -173,6 +244,11 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_buf, cons
   const int64_t* slots = kv_indices.data_ptr<int64_t>();
   const uint8_t* mask = masked ? custom_mask.data_ptr<uint8_t>() : nullptr;
   float* op = out.data_ptr<float>();
+  if (avx512 && head_dim % 16 == 0 && head_dim <= 128) {
+    attention_avx512_units(reqs, q.size(0), num_heads, group, qp, q_row_stride, pool, slots, mask,
+                           static_cast<float>(scale), op);
+    return out;
+  }
   // one task per (query row, query head): a decode row's 9 heads split evenly over threads
   at::parallel_for(0, q.size(0) * num_heads, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
@@ -229,5 +305,8 @@ void rope_store(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tenso
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_store", &rope_store, "rotate q in place, write rotated k and v to the KV pool (fp32)");
   m.def("attention", &attention, "paged attention for few query rows per request (fp32)");
+  m.def("cpu_has_avx512", [] { return static_cast<bool>(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                                                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")); },
+        "whether this CPU runs the AVX-512 code");
 }
 #endif

@@ -1,6 +1,6 @@
 """CPU paged attention for requests with few query rows (`cpu_attention.cpp`, AVX2 + FMA, fp32).
 
-Contract: `attention(q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, scale)`
+Contract: `attention(q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, scale, avx512)`
 with q [T, H, D], k_buf / v_buf [slots, Hkv, D] (the KV pool, read in place), int64 host index tensors in
 FlashInfer's paged format (page size 1), and either a packed custom mask (uint8, little bit order, byte
 offsets mask_indptr) or empty tensors for bottom-right causal attention. Returns [T, H, D]: query head h
@@ -9,7 +9,9 @@ uses KV head h // (H / Hkv). A query row with no visible column gets zeros.
 Each (row, head) is computed alone over its visible columns taken in order as one dense list, so a row's
 output depends neither on the rest of the batch nor on where masked columns sit: a tree-verify row equals
 the decode of the same path bit for bit (with the batch-invariant linear and norm kernels, a whole verify
-forward does). Above a few query rows per request torch's SDPA is faster (attention/torch_backend.py).
+forward does). `avx512` runs the AVX-512 code (`cpu_attention_avx512.h`, same bits, where head_dim is a
+multiple of 16), which shares K and V reads between the queries of a KV head. Above a few query rows per
+request (AVX2) or a few dozen (AVX-512) torch's SDPA is faster (attention/torch_backend.py).
 Compiled once per machine by `cpu_extension.build`; `load()` returns None where it
 cannot run, and callers keep the torch path.
 """
@@ -17,6 +19,7 @@ cannot run, and callers keep the torch path.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from types import ModuleType
 
@@ -49,12 +52,32 @@ def reference_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tenso
 
 
 def _probe(module: ModuleType) -> None:
-    k_buf, v_buf = torch.randn(12, 2, 24), torch.randn(12, 2, 24)
-    q = torch.randn(3, 4, 24)
-    slots = [torch.tensor([3, 7, 1]), torch.tensor([5, 2, 9, 11])]
-    got = module.attention(q, k_buf, v_buf, torch.tensor([0, 1, 3]), torch.tensor([0, 3, 7]), torch.cat(slots),
-                           EMPTY_MASK, EMPTY_INDPTR, 0.2)
-    torch.testing.assert_close(got, reference_attention(q, k_buf, v_buf, [1, 2], slots, [None, None], 0.2))
+    for head_dim in (24, 32):  # 32: the AVX-512 code's path too, where the CPU has it
+        k_buf, v_buf = torch.randn(40, 2, head_dim), torch.randn(40, 2, head_dim)
+        q = torch.randn(3, 4, head_dim)
+        slots = [torch.tensor([3, 7, 1]), torch.randperm(39)[:21] + 1]
+        want = reference_attention(q, k_buf, v_buf, [1, 2], slots, [None, None], 0.2)
+        for avx512 in {False, bool(module.cpu_has_avx512())}:
+            got = module.attention(q, k_buf, v_buf, torch.tensor([0, 1, 3]), torch.tensor([0, 3, 24]),
+                                   torch.cat(slots), EMPTY_MASK, EMPTY_INDPTR, 0.2, avx512)
+            torch.testing.assert_close(got, want)
+
+
+ISA_ENV = "TREESPEC_CPU_QUANT_ISA"  # "avx2": run the AVX2 code on an AVX-512 CPU (as cpu_linear does)
+
+
+def use_avx512() -> bool:
+    """Whether `attention` should run its AVX-512 code here: the CPU has it and TREESPEC_CPU_QUANT_ISA
+    does not ask for avx2. Both codes give the same bits; the AVX-512 one shares K and V reads between
+    the queries of a KV head, which makes trees of many rows cheap."""
+    isa = os.environ.get(ISA_ENV, "").lower()
+    if isa not in ("", "avx2", "avx512"):
+        raise ValueError(f"{ISA_ENV} must be avx2 or avx512, got {isa!r}")
+    module = load()
+    has = module is not None and module.cpu_has_avx512()
+    if isa == "avx512" and not has:
+        raise ValueError(f"{ISA_ENV}=avx512 but this CPU (or build) has no AVX-512")
+    return has and isa != "avx2"
 
 
 @functools.cache

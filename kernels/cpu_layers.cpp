@@ -23,7 +23,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_buf, const torch::Tensor& v_buf,
                         const torch::Tensor& qo_indptr, const torch::Tensor& kv_indptr,
                         const torch::Tensor& kv_indices, const torch::Tensor& custom_mask,
-                        const torch::Tensor& mask_indptr, double scale);
+                        const torch::Tensor& mask_indptr, double scale, bool avx512);
 void rope_store(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& loc,
                 torch::Tensor& k_buf, torch::Tensor& v_buf, int64_t num_heads);
 
@@ -53,11 +53,11 @@ static std::vector<Linear> linears(const std::vector<torch::Tensor>& data, const
 
 // h [T, hidden] fp32 (the embeddings); per layer: norms, the four packed matmuls (qkv with optional
 // bias), the layer's K and V buffers. attn: attention's index tensors (qo_indptr, kv_indptr,
-// kv_indices, custom_mask, mask_indptr) as attention/torch_backend.py builds them. capture: layer ids
+// kv_indices, custom_mask, mask_indptr) as attention/torch_backend.py builds them, attn_avx512 its ISA. capture: layer ids
 // whose input h is returned too (EAGLE-3's auxiliary hidden states), in order.
 std::tuple<torch::Tensor, std::vector<torch::Tensor>> decoder_layers(
     torch::Tensor h, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& loc,
-    const std::vector<torch::Tensor>& attn, double scale, int64_t num_heads, int64_t head_dim, double eps,
+    const std::vector<torch::Tensor>& attn, bool attn_avx512, double scale, int64_t num_heads, int64_t head_dim, double eps,
     const std::vector<torch::Tensor>& input_norm, const std::vector<torch::Tensor>& post_norm,
     const std::vector<torch::Tensor>& qkv_data, const std::vector<torch::Tensor>& qkv_bias, int64_t qkv_n,
     const std::vector<int64_t>& qkv_mode, const std::vector<torch::Tensor>& o_data, int64_t o_n,
@@ -89,7 +89,7 @@ std::tuple<torch::Tensor, std::vector<torch::Tensor>> decoder_layers(
     auto qkv_out = qkv[i](x);
     rope_store(qkv_out, cos, sin, loc, k_bufs[i], v_bufs[i], num_heads);
     auto q = qkv_out.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
-    auto att = attention(q, k_bufs[i], v_bufs[i], attn[0], attn[1], attn[2], attn[3], attn[4], scale);
+    auto att = attention(q, k_bufs[i], v_bufs[i], attn[0], attn[1], attn[2], attn[3], attn[4], scale, attn_avx512);
     auto attn_out = o[i](att.view({tokens, q_size}));
     auto [residual, normed] = add_rms_norm(attn_out, h, post_norm[i], eps);
     h = residual + down[i](silu_mul(gate_up[i](normed)));

@@ -1,13 +1,14 @@
 """All decoder layers of a Llama-family model in one C++ call (`cpu_layers.cpp`, fp32 inference).
 
-Contract: `decoder_layers(h, cos, sin, loc, attn, scale, num_heads, head_dim, eps, input_norm, post_norm,
+Contract: `decoder_layers(h, cos, sin, loc, attn, attn_avx512, scale, num_heads, head_dim, eps, input_norm, post_norm,
 qkv_data, qkv_bias, qkv_n, qkv_mode, o_data, o_n, o_mode, gate_up_data, gate_up_n, gate_up_mode,
 down_data, down_n, down_mode, k_bufs, v_bufs, capture)` returns (h, [h at the input of each layer in
 `capture`]) after every layer, computed by the same kernel calls as models/llama.py's Python loop
 (rms_norm, the packed matmuls, rope_store, attention, add_rms_norm, silu_mul), in the same order:
 bit-identical results. Lists hold one entry per layer; mode 0 = panels (`cpu_linear.linear`), 1 / 2 =
 block quant with the AVX2 / AVX-512 code; an empty bias tensor means none; `attn` is the five index
-tensors of attention/torch_backend.py's kernel path.
+tensors of attention/torch_backend.py's kernel path and `attn_avx512` whether attention runs its AVX-512
+code (both give the same bits).
 
 Why: the Python around ~11 kernel calls per layer cost about as much as the attention at batch 1
 (docs/performance.md). One extension compiled from this file and cpu_linear.cpp, cpu_norm.cpp and
@@ -45,7 +46,7 @@ def _probe(module: ModuleType) -> None:
     attn = (torch.tensor([0, 1, 2]), torch.tensor([0, 3, 5]), torch.tensor([1, 2, 4, 6, 9]),
             torch.zeros(0, dtype=torch.uint8), torch.zeros(0, dtype=torch.int64))
     empty, ones = torch.zeros(0), torch.ones(hidden)
-    got, _ = module.decoder_layers(h, cos, sin, loc, list(attn), dim**-0.5, heads, dim, 1e-6, [ones], [ones],
+    got, _ = module.decoder_layers(h, cos, sin, loc, list(attn), False, dim**-0.5, heads, dim, 1e-6, [ones], [ones],
                                    [module.pack(w["qkv"])], [empty], w["qkv"].shape[0], [0], [module.pack(w["o"])],
                                    hidden, [0], [module.pack(w["gate_up"])], 2 * inter, [0],
                                    [module.pack(w["down"])], hidden, [0], [k_buf], [v_buf], [])

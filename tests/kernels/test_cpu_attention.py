@@ -2,15 +2,18 @@ import pytest
 import torch
 
 from treespec.attention.metadata import build_metadata
-from treespec.attention.torch_backend import KERNEL_MAX_QUERY_ROWS, TorchAttnBackend
+from treespec.attention.torch_backend import TorchAttnBackend
 from treespec.kernels import cpu_attention
 from treespec.kernels.mask_pack import pack_masks
 
 kernel = cpu_attention.load()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the CPU attention kernel does not build on this machine")
+HAS_AVX512 = kernel is not None and bool(kernel.cpu_has_avx512())
+# the kernel's codes this CPU runs: AVX2 always, AVX-512 where the CPU has it (same bits)
+ISAS = [False, True] if HAS_AVX512 else [False]
 
 
-def kernel_attention(q, k_buf, v_buf, qo_lens, kv_slots, masks, scale):
+def kernel_attention(q, k_buf, v_buf, qo_lens, kv_slots, masks, scale, avx512=HAS_AVX512):
     """Call the kernel on per-request inputs: masks None (all causal) or one bool mask per request."""
     qo = torch.tensor([0, *torch.tensor(qo_lens).cumsum(0).tolist()])
     kv = torch.tensor([0, *torch.tensor([s.numel() for s in kv_slots]).cumsum(0).tolist()])
@@ -18,7 +21,7 @@ def kernel_attention(q, k_buf, v_buf, qo_lens, kv_slots, masks, scale):
     if masks is not None:
         packed, indptr = pack_masks(masks)
         indptr = indptr.to(torch.int64)
-    return kernel.attention(q, k_buf, v_buf, qo, kv, torch.cat(kv_slots), packed, indptr, scale)
+    return kernel.attention(q, k_buf, v_buf, qo, kv, torch.cat(kv_slots), packed, indptr, scale, avx512)
 
 
 def random_pool(slots: int, kv_heads: int, head_dim: int, seed: int):
@@ -26,23 +29,47 @@ def random_pool(slots: int, kv_heads: int, head_dim: int, seed: int):
     return torch.randn(slots, kv_heads, head_dim, generator=g), torch.randn(slots, kv_heads, head_dim, generator=g), g
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 20), (8, 2, 128), (6, 1, 40)])
-def test_matches_reference_causal_and_masked(heads: int, kv_heads: int, head_dim: int):
+@pytest.mark.parametrize("avx512", ISAS)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 20), (8, 2, 128), (6, 1, 40), (4, 2, 48)])
+def test_matches_reference_causal_and_masked(heads: int, kv_heads: int, head_dim: int, avx512: bool):
     k_buf, v_buf, g = random_pool(300, kv_heads, head_dim, head_dim)
-    qo_lens, kv_lens = [1, 3, 1, 5], [37, 12, 1, 90]
+    qo_lens, kv_lens = [1, 3, 1, 5, 20], [37, 12, 1, 90, 41]
     kv_slots = [torch.randperm(299, generator=g)[:n] + 1 for n in kv_lens]
     q = torch.randn(sum(qo_lens), heads, head_dim, generator=g)
     scale = head_dim**-0.5
-    causal = cpu_attention.reference_attention(q, k_buf, v_buf, qo_lens, kv_slots, [None] * 4, scale)
-    torch.testing.assert_close(kernel_attention(q, k_buf, v_buf, qo_lens, kv_slots, None, scale), causal)
+    causal = cpu_attention.reference_attention(q, k_buf, v_buf, qo_lens, kv_slots, [None] * 5, scale)
+    torch.testing.assert_close(kernel_attention(q, k_buf, v_buf, qo_lens, kv_slots, None, scale, avx512), causal)
     masks = [torch.rand(qn, kn, generator=g) < 0.6 for qn, kn in zip(qo_lens, kv_lens, strict=True)]
     for m in masks:
         m[:, 0] = True  # every row sees something (the empty case has its own test)
     masked = cpu_attention.reference_attention(q, k_buf, v_buf, qo_lens, kv_slots, masks, scale)
-    torch.testing.assert_close(kernel_attention(q, k_buf, v_buf, qo_lens, kv_slots, masks, scale), masked)
+    torch.testing.assert_close(kernel_attention(q, k_buf, v_buf, qo_lens, kv_slots, masks, scale, avx512), masked)
 
 
-def test_tree_verify_row_is_bit_identical_to_decode():
+@pytest.mark.skipif(not HAS_AVX512, reason="this CPU has no AVX-512")
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 48), (2, 1, 16)])
+def test_avx512_code_gives_the_avx2_codes_bits(heads: int, kv_heads: int, head_dim: int):
+    """The AVX-512 code (queries of a KV head share K and V reads; 16 dots reduced by one shuffle tree)
+    computes every element as the AVX2 code does: causal and masked, trees sharing a prefix, rows with
+    their own columns, blocks of 16 columns full and partial, one row and 64 rows."""
+    k_buf, v_buf, g = random_pool(700, kv_heads, head_dim, 7 + head_dim)
+    qo_lens, kv_lens = [1, 9, 3, 17, 64, 1, 2], [1, 250, 40, 33, 300, 17, 16]
+    kv_slots = [torch.randperm(699, generator=g)[:n] + 1 for n in kv_lens]
+    q = torch.randn(sum(qo_lens), heads, head_dim, generator=g)
+    scale = head_dim**-0.5
+    for masks in (None, "prefix-and-random"):
+        if masks is not None:
+            masks = [torch.rand(qn, kn, generator=g) < 0.5 for qn, kn in zip(qo_lens, kv_lens, strict=True)]
+            for m, kn in zip(masks, kv_lens, strict=True):
+                m[:, : kn * 2 // 3] = True  # a prefix all rows see, then each row's own columns
+            masks[2][1] = False  # a row that sees nothing
+        avx2 = kernel_attention(q, k_buf, v_buf, qo_lens, kv_slots, masks, scale, avx512=False)
+        avx512 = kernel_attention(q, k_buf, v_buf, qo_lens, kv_slots, masks, scale, avx512=True)
+        assert torch.equal(avx2, avx512)
+
+
+@pytest.mark.parametrize("avx512", ISAS)
+def test_tree_verify_row_is_bit_identical_to_decode(avx512: bool):
     """Every verify row (prefix + a 4-node tree, mask) equals the causal decode of its path (masked
     columns between the visible ones change nothing), and a decode row's output does not depend on
     the other requests in the batch."""
@@ -52,24 +79,25 @@ def test_tree_verify_row_is_bit_identical_to_decode():
     q = torch.randn(4, 9, 64, generator=g)
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     mask = torch.cat([torch.ones(4, 450, dtype=torch.bool), tree], dim=1)
-    verify = kernel_attention(q, k_buf, v_buf, [4], [torch.cat([prefix, tree_slots])], [mask], 0.125)
-    decode = kernel_attention(q[:1], k_buf, v_buf, [1], [torch.cat([prefix, tree_slots[:1]])], None, 0.125)
+    verify = kernel_attention(q, k_buf, v_buf, [4], [torch.cat([prefix, tree_slots])], [mask], 0.125, avx512)
+    decode = kernel_attention(q[:1], k_buf, v_buf, [1], [torch.cat([prefix, tree_slots[:1]])], None, 0.125, avx512)
     assert torch.equal(verify[0], decode[0])
     # node 3 (path root -> 1 -> 3) equals a causal extend of the same path
     path = torch.cat([prefix, tree_slots[[0, 1, 3]]])
-    extend = kernel_attention(q[[0, 1, 3]], k_buf, v_buf, [3], [path], None, 0.125)
+    extend = kernel_attention(q[[0, 1, 3]], k_buf, v_buf, [3], [path], None, 0.125, avx512)
     assert torch.equal(verify[3], extend[2])
     other = torch.randn(2, 9, 64, generator=g)
     batched = kernel_attention(torch.cat([other, q[:1]]), k_buf, v_buf, [2, 1],
-                               [torch.arange(100, 180), torch.cat([prefix, tree_slots[:1]])], None, 0.125)
+                               [torch.arange(100, 180), torch.cat([prefix, tree_slots[:1]])], None, 0.125, avx512)
     assert torch.equal(batched[2], decode[0])
 
 
-def test_row_without_visible_columns_is_zero():
+@pytest.mark.parametrize("avx512", ISAS)
+def test_row_without_visible_columns_is_zero(avx512: bool):
     k_buf, v_buf, g = random_pool(20, 2, 16, 2)
     q = torch.randn(2, 2, 16, generator=g)
     mask = torch.tensor([[False, False, False], [True, False, True]])
-    out = kernel_attention(q, k_buf, v_buf, [2], [torch.tensor([3, 4, 5])], [mask], 0.25)
+    out = kernel_attention(q, k_buf, v_buf, [2], [torch.tensor([3, 4, 5])], [mask], 0.25, avx512)
     assert torch.equal(out[0], torch.zeros(2, 16))
     assert torch.isfinite(out).all()
 
@@ -89,7 +117,8 @@ def test_backend_uses_the_kernel_for_few_rows_and_agrees_with_sdpa():
                                  torch.cat([prefix_b, torch.tensor([303, 304, 305])])],
                         [torch.cat([torch.ones(3, 119, dtype=torch.bool), tree], 1),
                          torch.cat([torch.ones(3, 60, dtype=torch.bool), tree], 1)]), True),  # verify
-        (build_metadata([KERNEL_MAX_QUERY_ROWS + 1], [prefix_a]), False),  # a prefill chunk
+        (build_metadata([with_kernel.max_kernel_rows], [prefix_a]), True),  # the largest tree it takes
+        (build_metadata([with_kernel.max_kernel_rows + 1], [prefix_a]), False),  # a prefill chunk
     ]
     for meta, expect_kernel in cases:
         q = torch.randn(int(meta.qo_indptr[-1]), 9, 64, generator=g)

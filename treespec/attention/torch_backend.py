@@ -2,8 +2,8 @@
 
 Everything that depends only on the metadata (gather indices, masks) is built once per forward in
 `init_forward_metadata`; each layer then does one gather and one scaled_dot_product_attention. fp32
-batches whose requests have at most KERNEL_MAX_QUERY_ROWS query rows (decode, tree verify, draft
-steps) go to the C++ kernel `kernels/cpu_attention.cpp` instead, which reads the pool and the packed
+batches whose requests have at most KERNEL_MAX_QUERY_ROWS (AVX2) or KERNEL_MAX_QUERY_ROWS_AVX512 query
+rows (decode, tree verify, draft steps) go to the C++ kernel `kernels/cpu_attention.cpp` instead, which reads the pool and the packed
 mask in place and computes each row alone, so a verify row matches the decode of its token bit for bit.
 """
 
@@ -29,9 +29,13 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     with sdpa_kernel(SDPA_BACKENDS):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
-# Query rows per request. The kernel's cost grows with the rows (~20 us each at 400 cached tokens on
-# the 2-core dev machine) where SDPA's stays at ~140-200 us up to 8 rows: they cross near 10 rows.
+# Query rows per request. The AVX2 kernel's cost grows with the rows (~20 us each at 400 cached tokens on
+# the 2-core dev machine) where SDPA's stays at ~140-200 us up to 8 rows: they cross near 10 rows. The
+# AVX-512 kernel shares each K and V row between a KV head's queries (~4 us a row at 250 tokens, and
+# faster than SDPA at 32 rows): it takes every tree a verify or draft step builds, exactly; longer
+# prefill chunks go to SDPA.
 KERNEL_MAX_QUERY_ROWS = 8
+KERNEL_MAX_QUERY_ROWS_AVX512 = 64
 
 
 def request_masks(meta: AttentionMetadata) -> list[torch.Tensor | None]:
@@ -59,6 +63,8 @@ class TorchAttnBackend:
         self.device = device
         use_kernel = device.type == "cpu" and dtype == torch.float32
         self.kernel = cpu_attention.load() if use_kernel else None
+        self.avx512 = self.kernel is not None and cpu_attention.use_avx512()
+        self.max_kernel_rows = KERNEL_MAX_QUERY_ROWS_AVX512 if self.avx512 else KERNEL_MAX_QUERY_ROWS
         self.kernel_args: tuple | None = None
 
     def init_forward_metadata(self, meta: AttentionMetadata) -> None:
@@ -66,7 +72,7 @@ class TorchAttnBackend:
         kv = meta.kv_indptr.tolist()
         bs = len(qo) - 1
         self.kernel_args = None
-        if self.kernel is not None and bs > 0 and max(qo[b + 1] - qo[b] for b in range(bs)) <= KERNEL_MAX_QUERY_ROWS:
+        if self.kernel is not None and bs > 0 and max(qo[b + 1] - qo[b] for b in range(bs)) <= self.max_kernel_rows:
             masked = meta.custom_mask is not None
             self.kernel_args = (
                 meta.qo_indptr.to(torch.int64), meta.kv_indptr.to(torch.int64),
@@ -116,7 +122,7 @@ class TorchAttnBackend:
         Grouped-query attention without repeating K/V: the G query heads that share a KV head are
         folded into the query-length axis ([Hkv, G * q_len, D]) and the mask is tiled to match."""
         if self.kernel_args is not None:
-            return self.kernel.attention(q, k_buffer, v_buffer, *self.kernel_args, scale)
+            return self.kernel.attention(q, k_buffer, v_buffer, *self.kernel_args, scale, self.avx512)
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k_buffer.shape[1]
         group = num_heads // num_kv_heads

@@ -87,5 +87,5 @@ class LayerStack:
         kv = [ctx.kv_pool.get_kv(i) for i in range(layers)]
         return self.kernel.decoder_layers(
             h.contiguous(), cos.contiguous(), sin.contiguous(), batch.out_cache_loc.contiguous(),
-            list(ctx.attn_backend.kernel_args), self.scale, self.num_heads, self.head_dim, self.eps, *self.weights,
+            list(ctx.attn_backend.kernel_args), ctx.attn_backend.avx512, self.scale, self.num_heads, self.head_dim, self.eps, *self.weights,
             [k for k, _ in kv], [v for _, v in kv], sorted(i for i in capture if i < layers))

@@ -1,0 +1,267 @@
+// AVX-512 paged attention for requests with few query rows: the arithmetic of cpu_attention.cpp's
+// per-(row, head) code, bit for bit, with the work shared between the queries of one KV head.
+//
+// Why: the per-(row, head) code reduces each q.k dot to a scalar on its own (a horizontal sum per
+// column) and reads every K and V row once per query; a tree verify of 9 rows at 250 cached tokens
+// cost ~90 us a layer. Here a unit of work is the queries (rows x heads) of one request that share a
+// KV head: K rows are read once per 16-column block while every query of the unit scores against it,
+// the 16 dots of a block are reduced together by one shuffle tree, and a V row serves several queries a load.
+//
+// Same bits as the AVX2 code, element by element:
+// - a dot q.k over head_dim (a multiple of 16, at most 128) is, per lane l of 16, one fma chain over the 16-float
+//   chunks in order (the AVX2 code's two 8-lane chains are lanes 0-7 and 8-15 of it), then lanes are
+//   summed l + (l+8), then + (l+4), + (l+2), + (l+1): hsum(acc0 + acc1) in cpu_attention.cpp;
+// - softmax is cpu_attention.cpp's `softmax_in_place` (its exps 16 at a time: elementwise, same bits);
+// - each output element is one fma chain over the row's visible columns in order (any vector width
+//   computes each element alone).
+// Every query still attends to its own dense list of visible columns (the shared prefix first, then its
+// own visible columns after it), so a tree-verify row equals the decode of its path, as before.
+// Included by cpu_attention.cpp after Pool, Request, prefetch_row and softmax_in_place.
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+namespace attention_avx512 {
+
+// [x.lo + x.hi, y.lo + y.hi]: lane l + lane l+8 of two columns' partial sums
+static inline __m512 add_halves(__m512 x, __m512 y) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+}
+// two add_halves results (4 columns, one per 128-bit quarter): lane l + lane l+4 of each column
+static inline __m512 add_quarters(__m512 x, __m512 y) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+}
+// per 128-bit lane [x0 + x2, x1 + x3, y0 + y2, y1 + y3]
+static inline __m512 add_pairs(__m512 x, __m512 y) {
+  return _mm512_add_ps(_mm512_shuffle_ps(x, y, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+// per 128-bit lane [x0 + x1, x2 + x3, y0 + y1, y2 + y3]
+static inline __m512 add_neighbours(__m512 x, __m512 y) {
+  return _mm512_add_ps(_mm512_shuffle_ps(x, y, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// The 16 columns' lane sums, column c in lane c. Column c lands in quarter c / 4 at position c % 4: the
+// inputs are grouped so (tracking the shuffles above) it comes out in order.
+static inline __m512 reduce16(const __m512* a) {
+  const __m512 u0 = add_quarters(add_halves(a[0], a[4]), add_halves(a[8], a[12]));
+  const __m512 u1 = add_quarters(add_halves(a[1], a[5]), add_halves(a[9], a[13]));
+  const __m512 u2 = add_quarters(add_halves(a[2], a[6]), add_halves(a[10], a[14]));
+  const __m512 u3 = add_quarters(add_halves(a[3], a[7]), add_halves(a[11], a[15]));
+  return add_neighbours(add_pairs(u0, u1), add_pairs(u2, u3));
+}
+
+// exp256 (avx2_math.h) on 16 floats, operation by operation: the same bits per element.
+static inline __m512 exp512(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.3365447504f);
+  const __mmask16 valid = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647f)), lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i pow2n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(valid, _mm512_mul_ps(p, _mm512_castsi512_ps(pow2n)));
+}
+
+// softmax_in_place (cpu_attention.cpp) with its exps 16 at a time: the same max, the same exps and the
+// same 8-lane running sum in the same order, so the same bits.
+static inline float softmax_in_place_zmm(float* s, int64_t n) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int64_t padded = (n + 7) / 8 * 8;
+  __m512 mv = _mm512_set1_ps(kNegInf);
+  int64_t j = 0;
+  for (; j + 16 <= padded; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
+  float m = _mm512_reduce_max_ps(mv);
+  for (; j < padded; ++j) m = std::max(m, s[j]);
+  if (n == 0) m = 0.f;
+  const __m512 mb = _mm512_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  for (j = 0; j + 16 <= padded; j += 16) {
+    const __m512 p = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j), mb));
+    _mm512_storeu_ps(s + j, p);
+    sum = _mm256_add_ps(sum, _mm512_castps512_ps256(p));
+    sum = _mm256_add_ps(sum, _mm512_extractf32x8_ps(p, 1));
+  }
+  if (j < padded) {  // one block of 8 left
+    const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm512_castps512_ps256(mb)));
+    _mm256_storeu_ps(s + j, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  const float denom = hsum(sum);
+  return denom > 0.f ? 1.f / denom : 0.f;
+}
+
+// s[c] = (q . K_c) * scale for the K rows rows[c], c < count <= 16 (columns past count are not stored).
+// q: the query's 16 * NC floats. A column's score depends on q and its K row alone.
+template <int NC, bool kFull>
+static inline void score_block(const float* query, const float* const* rows, int64_t count, float scale, float* s) {
+  __m512 q[NC], acc[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < NC; ++i) q[i] = _mm512_loadu_ps(query + 16 * i);
+#pragma GCC unroll 16
+  for (int c = 0; c < 16; ++c) {
+    acc[c] = _mm512_setzero_ps();
+    if (kFull || c < count) {
+      const float* k = rows[c];
+#pragma GCC unroll 8
+      for (int i = 0; i < NC; ++i) acc[c] = _mm512_fmadd_ps(q[i], _mm512_loadu_ps(k + 16 * i), acc[c]);
+    }
+  }
+  const __m512 scores = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale));
+  _mm512_mask_storeu_ps(s, kFull ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1), scores);
+}
+
+template <int NC>
+static inline void score_columns(const float* q, const float* const* rows, int64_t n, float scale, float* s) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) score_block<NC, true>(q, rows + j, 16, scale, s + j);
+  if (j < n) score_block<NC, false>(q, rows + j, n - j, scale, s + j);
+}
+
+// The queries of one unit: rows [row0, row1) of request `req` x query heads [head0, head1), all on KV
+// head kv_head.
+struct Unit {
+  int64_t req, kv_head, row0, row1, head0, head1;
+};
+
+// One query's part of a unit: its q, output, softmax weights p (its dense list: the shared columns, then
+// its own) and its own columns' V rows.
+struct Query {
+  const float* q;
+  float* out;
+  const float* p;
+  float inv;
+  std::vector<const float*> own_v;
+};
+
+// V rows serve T queries at a time, all NC chunks of each in registers: T * NC <= kPvRegisters.
+constexpr int kPvRegisters = 24;
+
+// out = inv * sum_j p[j] V_j over each query's dense list, in order (one fma chain per element).
+template <int NC, int T>
+static void weighted_sums(Query* const* qs, const float* const* shared_v, int64_t shared) {
+  __m512 acc[T][NC];
+  const float* p[T];
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) {
+    p[t] = qs[t]->p;
+#pragma GCC unroll 8
+    for (int i = 0; i < NC; ++i) acc[t][i] = _mm512_setzero_ps();
+  }
+  for (int64_t j = 0; j < shared; ++j) {
+    if (j + kPrefetchAhead < shared) prefetch_row(shared_v[j + kPrefetchAhead], 16 * NC);
+    __m512 v[NC];
+#pragma GCC unroll 8
+    for (int i = 0; i < NC; ++i) v[i] = _mm512_loadu_ps(shared_v[j] + 16 * i);
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) {
+      const __m512 w = _mm512_set1_ps(p[t][j]);
+#pragma GCC unroll 8
+      for (int i = 0; i < NC; ++i) acc[t][i] = _mm512_fmadd_ps(w, v[i], acc[t][i]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) {  // each query's own columns continue its chains
+    const Query& query = *qs[t];
+    const float* own_p = query.p + shared;
+    for (size_t j = 0; j < query.own_v.size(); ++j) {
+      const __m512 w = _mm512_set1_ps(own_p[j]);
+#pragma GCC unroll 8
+      for (int i = 0; i < NC; ++i)
+        acc[t][i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(query.own_v[j] + 16 * i), acc[t][i]);
+    }
+    const __m512 inv = _mm512_set1_ps(query.inv);
+#pragma GCC unroll 8
+    for (int i = 0; i < NC; ++i) _mm512_storeu_ps(query.out + 16 * i, _mm512_mul_ps(acc[t][i], inv));
+  }
+}
+
+template <int NC, int T = kPvRegisters / NC>
+static void weighted_sums_tile(Query* const* qs, int64_t count, const float* const* shared_v, int64_t shared) {
+  if constexpr (T > 1) {
+    if (count < T) return weighted_sums_tile<NC, T - 1>(qs, count, shared_v, shared);
+  }
+  weighted_sums<NC, T>(qs, shared_v, shared);
+}
+
+// A unit's attention: its queries score the shared columns block by block (a block's K rows read from
+// memory once, then from L1 for the other queries), then their own; softmax; weighted sums of V in
+// tiles of queries.
+template <int NC>
+static void run_unit(const Unit& u, const Request& req, const float* qp, int64_t q_row_stride, int64_t num_heads,
+                     const Pool& pool, const int64_t* kv_slots, int64_t shared,
+                     const std::vector<std::vector<int64_t>>& own_slots, float scale, float* op) {
+  const int64_t* shared_slots = kv_slots + req.kv_start;
+  std::vector<const float*> shared_k(shared), shared_v(shared);
+  for (int64_t j = 0; j < shared; ++j) {
+    shared_k[j] = pool.row(pool.k, shared_slots[j], u.kv_head);
+    shared_v[j] = pool.row(pool.v, shared_slots[j], u.kv_head);
+  }
+  std::vector<Query> qs;
+  int64_t longest = 0;
+  for (int64_t r = u.row0; r < u.row1; ++r) {
+    const int64_t row = req.q_start + r;
+    longest = std::max<int64_t>(longest, static_cast<int64_t>(own_slots[row].size()));
+    for (int64_t h = u.head0; h < u.head1; ++h) {
+      Query query{qp + row * q_row_stride + h * pool.head_dim, op + (row * num_heads + h) * pool.head_dim,
+                  nullptr, 0.f, {}};
+      for (int64_t slot : own_slots[row]) query.own_v.push_back(pool.row(pool.v, slot, u.kv_head));
+      qs.push_back(std::move(query));
+    }
+  }
+  const int64_t queries = static_cast<int64_t>(qs.size());
+  const int64_t stride = (shared + longest + 7) / 8 * 8;  // softmax_in_place reads whole 8-float blocks
+  std::vector<float> s(queries * stride);
+  for (int64_t j = 0; j < shared; j += 16) {
+    const int64_t count = std::min<int64_t>(16, shared - j);
+    for (int64_t c = j + 16; c < std::min<int64_t>(j + 32, shared); ++c) prefetch_row(shared_k[c], 16 * NC);
+    for (int64_t t = 0; t < queries; ++t) {
+      float* st = s.data() + t * stride + j;
+      if (count == 16) score_block<NC, true>(qs[t].q, shared_k.data() + j, 16, scale, st);
+      else score_block<NC, false>(qs[t].q, shared_k.data() + j, count, scale, st);
+    }
+  }
+  std::vector<const float*> own_k;
+  for (int64_t t = 0; t < queries; ++t) {
+    Query& query = qs[t];
+    float* st = s.data() + t * stride;
+    const int64_t row = req.q_start + u.row0 + t / (u.head1 - u.head0);
+    own_k.clear();
+    for (int64_t slot : own_slots[row]) own_k.push_back(pool.row(pool.k, slot, u.kv_head));
+    const int64_t n = shared + static_cast<int64_t>(own_k.size());
+    score_columns<NC>(query.q, own_k.data(), static_cast<int64_t>(own_k.size()), scale, st + shared);
+    std::fill(st + n, st + (n + 7) / 8 * 8, -std::numeric_limits<float>::infinity());
+    query.inv = softmax_in_place_zmm(st, n);
+    query.p = st;
+  }
+  std::vector<Query*> order(queries);
+  for (int64_t t = 0; t < queries; ++t) order[t] = &qs[t];
+  constexpr int64_t kTile = kPvRegisters / NC;
+  for (int64_t t0 = 0; t0 < queries; t0 += kTile)
+    weighted_sums_tile<NC>(order.data() + t0, std::min<int64_t>(kTile, queries - t0), shared_v.data(), shared);
+}
+
+// run_unit for head_dim = 16 * nc, nc in 1..8 (the caller checks).
+static void run_unit_any(int64_t nc, const Unit& u, const Request& req, const float* qp, int64_t q_row_stride,
+                         int64_t num_heads, const Pool& pool, const int64_t* kv_slots, int64_t shared,
+                         const std::vector<std::vector<int64_t>>& own_slots, float scale, float* op) {
+  switch (nc) {
+    case 1: return run_unit<1>(u, req, qp, q_row_stride, num_heads, pool, kv_slots, shared, own_slots, scale, op);
+    case 2: return run_unit<2>(u, req, qp, q_row_stride, num_heads, pool, kv_slots, shared, own_slots, scale, op);
+    case 3: return run_unit<3>(u, req, qp, q_row_stride, num_heads, pool, kv_slots, shared, own_slots, scale, op);
+    case 4: return run_unit<4>(u, req, qp, q_row_stride, num_heads, pool, kv_slots, shared, own_slots, scale, op);
+    case 5: return run_unit<5>(u, req, qp, q_row_stride, num_heads, pool, kv_slots, shared, own_slots, scale, op);
+    case 6: return run_unit<6>(u, req, qp, q_row_stride, num_heads, pool, kv_slots, shared, own_slots, scale, op);
+    case 7: return run_unit<7>(u, req, qp, q_row_stride, num_heads, pool, kv_slots, shared, own_slots, scale, op);
+    default: return run_unit<8>(u, req, qp, q_row_stride, num_heads, pool, kv_slots, shared, own_slots, scale, op);
+  }
+}
+
+}  // namespace attention_avx512
+#pragma GCC pop_options
