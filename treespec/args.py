@@ -31,7 +31,7 @@ SPECULATIVE_ALGORITHMS = ("NONE", "EAGLE", "EAGLE3", "NGRAM")
 GENERIC_SPECULATIVE_SHAPE = (5, 4, 8)  # (num_steps, eagle_topk, num_draft_tokens)
 # NGRAM's tree size when --speculative-num-draft-tokens is not given. Measured on 20 held-out chat
 # prompts (docs/performance.md): 4 nodes 1.18x plain, 8 nodes 0.92x: on two CPU cores a verify of 5-8
-# nodes costs about two decode steps. (Up to 8 keeps every verify row on the CPU attention kernel.)
+# nodes costs about two decode steps.
 NGRAM_DEFAULT_DRAFT_TOKENS = 4
 # flags that configure a draft model or its EAGLE tree; NGRAM has neither and refuses them
 EAGLE_ONLY_FLAGS = {"speculative_draft_model_path": "--speculative-draft-model-path",

@@ -164,6 +164,60 @@ def test_verify_forward_reproduces_decode_bit_for_bit(tmp_path):
         assert torch.equal(verify[node], decode[node]), node
 
 
+@pytest.mark.parametrize("avx512", ISAS)
+def test_largest_default_tree_verifies_on_the_kernel_bit_for_bit(tmp_path, avx512: bool):
+    """A 27-node tree (the most the default hybrid builds: 3 head nodes + 24 n-gram nodes), two chains of
+    13 under the root, verifies on the kernel with either code, and each node's logits equal decoding its
+    path token by token (above 8 rows this used to go to SDPA, which is not batch-invariant: with SDPA
+    this test fails)."""
+    from model_factory import make_tiny_model
+
+    from treespec.attention.torch_backend import KERNEL_MAX_QUERY_ROWS, KERNEL_MAX_QUERY_ROWS_AVX512
+    from treespec.forward_batch import ForwardBatch, ForwardMode
+    from treespec.kernels import cpu_linear, cpu_norm
+    from treespec.model_runner import ModelRunner
+
+    if cpu_linear.load() is None or cpu_norm.load() is None:
+        pytest.skip("the panel and norm kernels are needed for a batch-invariant forward")
+    runner = ModelRunner(make_tiny_model("llama", tmp_path / "llama"), torch.float32, torch.device("cpu"),
+                         kv_pool_size=128)
+    backend = runner.attn_backend
+    backend.avx512 = avx512
+    backend.max_kernel_rows = KERNEL_MAX_QUERY_ROWS_AVX512 if avx512 else KERNEL_MAX_QUERY_ROWS
+    prefix = torch.arange(1, 8)
+
+    def forward(mode, ids, positions, slots, kv, masks=None):
+        attn = build_metadata([len(ids)], [kv], masks)
+        return runner.forward(ForwardBatch(mode=mode, input_ids=torch.tensor(ids), positions=torch.tensor(positions),
+                                           out_cache_loc=torch.tensor(slots), attn=attn)).logits
+
+    forward(ForwardMode.EXTEND, [3, 17, 5, 9, 11, 2, 7], list(range(7)), prefix.tolist(), prefix)
+    chain = 13
+    parents = [-1] + [0 if i in (1, chain + 1) else i - 1 for i in range(1, 2 * chain + 1)]
+    tokens = [40 + i for i in range(2 * chain + 1)]
+    depth = [0] * len(parents)
+    tree = torch.zeros(len(parents), len(parents), dtype=torch.bool)
+    for i, p in enumerate(parents):
+        tree[i, i] = True
+        if p >= 0:
+            tree[i] |= tree[p]
+            depth[i] = depth[p] + 1
+    slots = list(range(8, 8 + len(parents)))
+    mask = torch.cat([torch.ones(len(parents), 7, dtype=torch.bool), tree], dim=1)
+    verify = forward(ForwardMode.TARGET_VERIFY, tokens, [7 + d for d in depth], slots,
+                     torch.cat([prefix, torch.tensor(slots)]), [mask])
+    assert backend.kernel_args is not None  # the kernel's path, not SDPA's
+    next_slot = 60
+    for branch in (range(0, chain + 1), [0, *range(chain + 1, 2 * chain + 1)]):
+        path_slots = []
+        for node in branch:
+            path_slots.append(next_slot)
+            decode = forward(ForwardMode.DECODE, [tokens[node]], [7 + depth[node]], [next_slot],
+                             torch.cat([prefix, torch.tensor(path_slots)]))[0]
+            next_slot += 1
+            assert torch.equal(verify[node], decode), node
+
+
 def test_rope_store_matches_apply_rope_and_set_kv():
     from treespec.models.layers import RotaryEmbedding, apply_rope
 

@@ -29,12 +29,12 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     with sdpa_kernel(SDPA_BACKENDS):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
-# Query rows per request. The AVX2 kernel's cost grows with the rows (~20 us each at 400 cached tokens on
-# the 2-core dev machine) where SDPA's stays at ~140-200 us up to 8 rows: they cross near 10 rows. The
-# AVX-512 kernel shares each K and V row between a KV head's queries (~4 us a row at 250 tokens, and
-# faster than SDPA at 32 rows): it takes every tree a verify or draft step builds, exactly; longer
-# prefill chunks go to SDPA.
-KERNEL_MAX_QUERY_ROWS = 8
+# Query rows per request that go to the kernel. A whole verify forward of the default model at 250 cached
+# tokens (docs/cpu_kernels.md): with the AVX2 code (each row and head alone) the kernel and the C++ layer
+# stack beat SDPA and the Python layer loop up to ~32 rows (9 rows 19 vs 24 ms, 32 rows 57 vs 55); the
+# AVX-512 code (a KV head's queries share K and V reads) up to 64 (64 rows 95 vs 99 ms). So every tree
+# a verify builds with the default settings stays on the kernel, where a row equals its path's decode.
+KERNEL_MAX_QUERY_ROWS = 32
 KERNEL_MAX_QUERY_ROWS_AVX512 = 64
 
 
