@@ -11,7 +11,11 @@ workload's prompts at most c in flight, plain, speculative, speculative, plain (
 completion tokens / wall time of the requests (prefill included), summed per server. Greedy outputs
 must be equal: the table counts prompts whose output ids match. Accept length = tokens per verify
 step of the speculative server (meta_info), pooled; with drafts from several sources, the accepted
-drafts per source too. Workloads: benchmarks/spec_workloads.py. Prints a table and writes --json.
+drafts per source too. Every timed pass starts from flushed caches (`/flush_cache`: the radix cache,
+and on the speculative server its n-gram corpus and parked draft rows), so no pass drafts from an
+earlier pass's replies to the same prompts (before 2026-11-26 the c4/c16 passes could: each prompt went
+to the speculative server once at batch 1 and twice per concurrency). Workloads:
+benchmarks/spec_workloads.py. Prints a table and writes --json.
 """
 
 from __future__ import annotations
@@ -61,6 +65,11 @@ async def run_concurrent(url: str, prompts: list[list[int]], max_new: int, conc:
         start = time.perf_counter()
         outs = await asyncio.gather(*(one(p) for p in prompts))
         return list(outs), time.perf_counter() - start
+
+
+def flush(url: str) -> None:
+    """Forget the server's cached text (radix cache, n-gram corpus, parked draft rows); it is idle here."""
+    httpx.post(f"{url}/flush_cache", timeout=60).raise_for_status()
 
 
 async def run_batch1(urls: dict[str, str], prompts: list[list[int]], max_new: int) -> tuple[dict, dict]:
@@ -162,12 +171,15 @@ def main(argv: list[str] | None = None) -> int:
                 prompts = saved[workload][: args.num_prompts]
             else:
                 prompts = workload_prompts(workload, tokenizer, args.num_prompts)
+            for url in urls.values():
+                flush(url)
             outs, secs = asyncio.run(run_batch1(urls, prompts, args.max_new_tokens))
             rows.append(summarize(workload, "bs1", outs, secs))
             print_row(rows[-1])
             for conc in concs:
                 outs, secs = {"plain": [], "spec": []}, Counter()
                 for name in ("plain", "spec", "spec", "plain"):
+                    flush(urls[name])
                     got, dt = asyncio.run(run_concurrent(urls[name], prompts, args.max_new_tokens, conc))
                     outs[name] = got  # both runs are greedy: the same outputs
                     secs[name] += dt / 2

@@ -561,9 +561,13 @@ class Scheduler:
         return self.running + ([self.chunked_req] if self.chunked_req else [])
 
     def flush_cache(self) -> bool:
+        """Forget cached text when idle: the radix cache and the speculative worker's caches of past
+        requests (n-gram corpus, parked draft rows). False (nothing done) while requests are in flight."""
         if self.has_work():
             return False
         self.cache.reset()
+        if self.spec_worker is not None:
+            self.spec_worker.flush()
         return True
 
     def get_stats(self) -> dict:

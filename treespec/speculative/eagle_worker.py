@@ -319,6 +319,13 @@ class EagleWorker:
         if done and len(req.all_ids) > done:  # a request that speculated leaves the rest of its text too
             self.ngram.insert(req.all_ids, len(req.all_ids) - done)
 
+    def flush(self) -> None:
+        """`/flush_cache` with no request in flight: forget past requests' text (the n-gram corpus) and
+        the parked draft rows, whose KV slots the radix cache reset just freed."""
+        if self.ngram is not None:
+            self.ngram = NgramCache(self.ngram.config)
+        self.parked.clear()
+
     # ------------------------------------------------------------------ drafting
     def _draft_tree(self, reqs: list[Req], kv_lens: list[int], prefix_slots: list[torch.Tensor],
                     roots: torch.Tensor, steps: int, topk: int, num_nodes: int) -> DraftTree:

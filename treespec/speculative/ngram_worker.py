@@ -81,6 +81,10 @@ class NgramWorker:
     def release(self, req: Req, keep_draft_kv: bool) -> None:
         """Nothing per request to forget: the cache keeps every request's text."""
 
+    def flush(self) -> None:
+        """Forget every request's text (`/flush_cache`, with no request in flight)."""
+        self.cache = NgramCache(self.cache.config)
+
     def _draft(self, req: Req, max_drafts: int) -> tuple[list[int], list[int]]:
         """(tokens, parents) of one request's drafts. A constrained request asks the cache for twice its
         budget and keeps the drafts its grammar allows, so its nodes go to tokens that can be accepted."""

@@ -58,6 +58,8 @@ class SpecWorker(Protocol):
 
     def release(self, req: Req, keep_draft_kv: bool) -> None: ...
 
+    def flush(self) -> None: ...  # `/flush_cache`, no request in flight: forget past requests' text
+
 
 def verify_tree_step(
     reqs: list[Req], tree: DraftTree, kv_lens: list[int], prefix_slots: list[torch.Tensor],

@@ -196,6 +196,9 @@ def test_release_runs_no_draft_forward_and_parked_rows_are_bounded(dirs, monkeyp
     assert 0 < len(worker.parked) <= 10
     newest = [row.position for row in worker.parked.values()]
     assert newest[-1] == max(newest)  # the last request's rows are kept, the oldest dropped
+    assert eng.flush_cache()  # idle: the radix cache frees the parked rows' slots, so they go too
+    assert not worker.parked
+    eng.check_pool_balance()
 
 
 def test_contiguous_runs_split_where_a_position_is_skipped() -> None:

@@ -128,6 +128,25 @@ def test_one_requests_text_changes_anothers_drafts_not_its_output(model_dirs, re
     assert sum(map(len, runs["after_a"][1])) > sum(map(len, runs["alone"][1]))
 
 
+def test_flush_cache_forgets_the_shared_corpus(model_dirs, references) -> None:
+    """/flush_cache (idle) empties the n-gram corpus too: after it, request A's text no longer shapes B's
+    drafts, which are again what B alone gets; the pool balances and B's output is plain greedy."""
+    b_prompt, b_params = PROMPTS[1], PARAMS[1]
+    alone = engine_for(model_dirs, "lookup", ngram=True)
+    alone_drafts = record_drafts(alone)
+    alone.generate(input_ids=b_prompt, sampling_params=b_params)
+    engine = engine_for(model_dirs, "lookup", ngram=True)
+    engine.generate(input_ids=PROMPTS[0] * 3, sampling_params={"temperature": 0, "max_new_tokens": 2})
+    assert len(engine.scheduler.spec_worker.cache) > 0
+    assert engine.flush_cache()
+    assert len(engine.scheduler.spec_worker.cache) == 0
+    drafts = record_drafts(engine)
+    out = engine.generate(input_ids=b_prompt, sampling_params=b_params)["output_ids"]
+    assert out == references["lookup"][1]
+    assert drafts == alone_drafts
+    engine.check_pool_balance()
+
+
 def test_chunked_prefill_stop_tokens_and_tight_pool(model_dirs, references) -> None:
     ref = references["lookup"]
     stop = [out[len(out) // 2] for out in ref[:4]]
