@@ -3,6 +3,7 @@
     python benchmarks/bench_spec_ab.py                                    # plain vs the default server
     python benchmarks/bench_spec_ab.py --spec-args "--speculative-algorithm NGRAM" --workloads code_edit
     python benchmarks/bench_spec_ab.py --num-prompts 12 --max-new-tokens 160 --concurrency 4,16
+    python benchmarks/bench_spec_ab.py --spec-args "--speculative-algorithm NONE"   # the bias check: ~1.00x
 
 Starts two servers at once: `--plain-args` (default `--speculative-algorithm NONE`) and `--spec-args`
 (default: none, the default server). Batch 1: each prompt goes to both servers one after the other,
@@ -11,7 +12,13 @@ workload's prompts at most c in flight, plain, speculative, speculative, plain (
 completion tokens / wall time of the requests (prefill included), summed per server. Greedy outputs
 must be equal: the table counts prompts whose output ids match. Accept length = tokens per verify
 step of the speculative server (meta_info), pooled; with drafts from several sources, the accepted
-drafts per source too. Every timed pass starts from flushed caches (`/flush_cache`: the radix cache,
+drafts per source too.
+
+Launch order: on the 2-vCPU dev VM the server launched second ran 5-19 % faster than the first, with
+the same flags (plain vs plain: 1.19x at batch 1, 1.15x at c16; launched the other way round, 0.89x and
+0.96x; cause unknown). So the whole run happens twice by default (`--launch-orders 2`): plain launched
+first, then the speculative server first, and each row's ratio is the geometric mean of the two runs'
+ratios (tokens/s pooled over both). Every timed pass starts from flushed caches (`/flush_cache`: the radix cache,
 and on the speculative server its n-gram corpus and parked draft rows), so no pass drafts from an
 earlier pass's replies to the same prompts (before 2026-11-26 the c4/c16 passes could: each prompt went
 to the speculative server once at batch 1 and twice per concurrency). Workloads:
@@ -85,6 +92,26 @@ async def run_batch1(urls: dict[str, str], prompts: list[list[int]], max_new: in
     return outs, secs
 
 
+def combine(runs: list[dict]) -> dict:
+    """One row from the same (workload, mode) measured under each launch order: tokens/s pooled, the
+    ratio the geometric mean of the runs' ratios (the launch-order bias cancels), counts summed."""
+    if len(runs) == 1:
+        return runs[0]
+    ratio = 1.0
+    for r in runs:
+        ratio *= r["ratio"]
+    by_source: Counter[str] = Counter()
+    for r in runs:
+        by_source.update(r["accepted_drafts_by_source"])
+    steps = sum(r["spec_steps"] for r in runs)
+    emitted = sum((r["accept_length"] or 0) * r["spec_steps"] for r in runs)
+    return {**runs[0], "prompts": sum(r["prompts"] for r in runs),
+            "plain_tok_s": sum(r["plain_tok_s"] for r in runs) / len(runs),
+            "spec_tok_s": sum(r["spec_tok_s"] for r in runs) / len(runs), "ratio": ratio ** (1 / len(runs)),
+            "ratios_by_order": [r["ratio"] for r in runs], "accept_length": emitted / steps if steps else None,
+            "spec_steps": steps, "accepted_drafts_by_source": dict(by_source), "equal": sum(r["equal"] for r in runs)}
+
+
 def summarize(workload: str, mode: str, outs: dict[str, list[dict]], secs: dict[str, float]) -> dict:
     tokens = {k: sum(o["meta_info"]["completion_tokens"] for o in v) for k, v in outs.items()}
     tok_s = {k: tokens[k] / secs[k] for k in outs}
@@ -125,47 +152,28 @@ def save_prompts(path: str, workloads: list[str], num_prompts: int) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--plain-args", default="--speculative-algorithm NONE")
-    p.add_argument("--spec-args", default="", help="the speculative server's flags (default: the defaults)")
-    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
-    p.add_argument("--num-prompts", type=int, default=12, help="per workload")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--concurrency", default="4,16", help="comma list; empty: batch 1 only")
-    p.add_argument("--json", default="bench_spec_ab.json")
-    p.add_argument("--save-prompts", default=None, metavar="FILE",
-                   help="write each workload's prompt token ids to FILE (JSON) and exit, starting no server")
-    p.add_argument("--prompts", default=None, metavar="FILE",
-                   help="read the prompts from a --save-prompts FILE instead of building them (hosts without "
-                        "the ShareGPT wheel, e.g. a GPU machine with no registry)")
-    args = p.parse_args(argv)
-    if args.save_prompts:
-        return save_prompts(args.save_prompts, args.workloads, args.num_prompts)
-    saved = json.loads(Path(args.prompts).read_text()) if args.prompts else None
-    if saved is not None:
-        missing = [w for w in args.workloads if w not in saved]
-        if missing:
-            p.error(f"--prompts {args.prompts} has no prompts for workload(s) {', '.join(missing)}")
-
+def run_servers(args: argparse.Namespace, order: tuple[str, str], concs: list[int], saved: dict | None) -> list[dict]:
+    """Launch both servers in `order`, measure every workload and mode, stop them; the rows."""
     from treespec.server.testing import popen_launch_server
     from treespec.tokenizer import load_tokenizer
 
-    concs = [int(c) for c in args.concurrency.split(",") if c]
+    flags = {"plain": args.plain_args, "spec": args.spec_args}
     servers = {}
+    rows = []
     try:
-        for name, flags in (("plain", args.plain_args), ("spec", args.spec_args)):
-            print(f"launching {name}: {flags or '(defaults)'}", file=sys.stderr, flush=True)
-            servers[name] = popen_launch_server(shlex.split(flags))
-        urls = {k: s.base_url for k, s in servers.items()}
+        for name in order:
+            print(f"launching {name}: {flags[name] or '(defaults)'}", file=sys.stderr, flush=True)
+            servers[name] = popen_launch_server(shlex.split(flags[name]))
+        urls = {k: servers[k].base_url for k in ("plain", "spec")}
         info = httpx.get(f"{urls['spec']}/server_info", timeout=60).json()
         model = httpx.get(f"{urls['spec']}/model_info", timeout=60).json()
         tokenizer = load_tokenizer(model["tokenizer_path"] or model["model_path"])
         print(f"host: {cpu_flags()}\nplain: {args.plain_args or '(defaults)'} | spec: {args.spec_args or '(defaults)'}"
-              f" ({info.get('speculative_algorithm')})\n{args.max_new_tokens} new tokens, greedy", flush=True)
+              f" ({info.get('speculative_algorithm')})\n{args.max_new_tokens} new tokens, greedy; {order[0]} launched first",
+              flush=True)
+        print_row.header = False
         for url in urls.values():  # warm-up: kernels, allocator, first-request paths
             asyncio.run(run_concurrent(url, [tokenizer.encode("Hello there.")], 16, 1))
-        rows = []
         for workload in args.workloads:
             if saved is not None:
                 prompts = saved[workload][: args.num_prompts]
@@ -185,13 +193,51 @@ def main(argv: list[str] | None = None) -> int:
                     secs[name] += dt / 2
                 rows.append(summarize(workload, f"c{conc}", outs, secs))
                 print_row(rows[-1])
-        Path(args.json).write_text(json.dumps({"host": cpu_flags(), "plain_args": args.plain_args,
-                                               "spec_args": args.spec_args, "max_new_tokens": args.max_new_tokens,
-                                               "rows": rows}, indent=1))
-        print(f"wrote {args.json}")
     finally:
         for s in servers.values():
             s.terminate()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--plain-args", default="--speculative-algorithm NONE")
+    p.add_argument("--spec-args", default="", help="the speculative server's flags (default: the defaults)")
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    p.add_argument("--num-prompts", type=int, default=12, help="per workload")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--concurrency", default="4,16", help="comma list; empty: batch 1 only")
+    p.add_argument("--launch-orders", type=int, default=2, choices=(1, 2),
+                   help="2: run everything twice, plain launched first, then speculative first (default)")
+    p.add_argument("--json", default="bench_spec_ab.json")
+    p.add_argument("--save-prompts", default=None, metavar="FILE",
+                   help="write each workload's prompt token ids to FILE (JSON) and exit, starting no server")
+    p.add_argument("--prompts", default=None, metavar="FILE",
+                   help="read the prompts from a --save-prompts FILE instead of building them (hosts without "
+                        "the ShareGPT wheel, e.g. a GPU machine with no registry)")
+    args = p.parse_args(argv)
+    if args.save_prompts:
+        return save_prompts(args.save_prompts, args.workloads, args.num_prompts)
+    saved = json.loads(Path(args.prompts).read_text()) if args.prompts else None
+    if saved is not None:
+        missing = [w for w in args.workloads if w not in saved]
+        if missing:
+            p.error(f"--prompts {args.prompts} has no prompts for workload(s) {', '.join(missing)}")
+
+    concs = [int(c) for c in args.concurrency.split(",") if c]
+    launches = [("plain", "spec"), ("spec", "plain")][: args.launch_orders]
+    runs = [run_servers(args, order, concs, saved) for order in launches]
+    rows = [combine(list(same)) for same in zip(*runs, strict=True)]
+    if len(runs) > 1:
+        print(f"both launch orders, ratio = geometric mean of {' and '.join(f'{a} first' for a, _ in launches)}:")
+        print_row.header = False
+        for row in rows:
+            print_row(row)
+    Path(args.json).write_text(json.dumps({"host": cpu_flags(), "plain_args": args.plain_args,
+                                           "spec_args": args.spec_args, "max_new_tokens": args.max_new_tokens,
+                                           "rows": rows, "rows_by_launch_order": dict(zip(
+                                               [f"{a}_first" for a, _ in launches], runs, strict=True))}, indent=1))
+    print(f"wrote {args.json}")
     return 0
 
 
