@@ -19,13 +19,12 @@ cannot run, and callers keep the torch path.
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from .cpu_extension import build
+from .cpu_extension import build, wants_avx512
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 EXTENSION_NAME = "treespec_cpu_attention"
@@ -63,21 +62,12 @@ def _probe(module: ModuleType) -> None:
             torch.testing.assert_close(got, want)
 
 
-ISA_ENV = "TREESPEC_CPU_QUANT_ISA"  # "avx2": run the AVX2 code on an AVX-512 CPU (as cpu_linear does)
-
-
 def use_avx512() -> bool:
     """Whether `attention` should run its AVX-512 code here: the CPU has it and TREESPEC_CPU_QUANT_ISA
-    does not ask for avx2. Both codes give the same bits; the AVX-512 one shares K and V reads between
-    the queries of a KV head, which makes trees of many rows cheap."""
-    isa = os.environ.get(ISA_ENV, "").lower()
-    if isa not in ("", "avx2", "avx512"):
-        raise ValueError(f"{ISA_ENV} must be avx2 or avx512, got {isa!r}")
+    does not ask for avx2 (cpu_extension.wants_avx512). Both codes give the same bits; the AVX-512 one
+    shares K and V reads between the queries of a KV head, which makes trees of many rows cheap."""
     module = load()
-    has = module is not None and module.cpu_has_avx512()
-    if isa == "avx512" and not has:
-        raise ValueError(f"{ISA_ENV}=avx512 but this CPU (or build) has no AVX-512")
-    return has and isa != "avx2"
+    return wants_avx512(module is not None and module.cpu_has_avx512())
 
 
 @functools.cache

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -25,6 +26,20 @@ CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 # torch's builder waits forever on a lock left by a build that was killed (Ctrl-C on a first start);
 # a build takes ~30 s, so a lock this old is stale.
 STALE_LOCK_SECONDS = 600
+
+
+ISA_ENV = "TREESPEC_CPU_QUANT_ISA"  # "avx2": run the kernels' AVX2 code on an AVX-512 CPU (same bits)
+
+
+def wants_avx512(has_avx512: bool) -> bool:
+    """Whether a kernel with both codes should run its AVX-512 one: the CPU (and build) has it and
+    TREESPEC_CPU_QUANT_ISA does not ask for avx2; "avx512" where it is missing is an error."""
+    isa = os.environ.get(ISA_ENV, "").lower()
+    if isa not in ("", "avx2", "avx512"):
+        raise ValueError(f"{ISA_ENV} must be avx2 or avx512, got {isa!r}")
+    if isa == "avx512" and not has_avx512:
+        raise ValueError(f"{ISA_ENV}=avx512 but this CPU (or build) has no AVX-512")
+    return has_avx512 and isa != "avx2"
 
 
 def cpu_supports_avx2() -> bool:

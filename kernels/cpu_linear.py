@@ -23,13 +23,12 @@ where the CPU lacks AVX2/FMA or the build fails; callers then keep oneDNN or F.l
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from .cpu_extension import build
+from .cpu_extension import ISA_ENV, build, wants_avx512
 
 SOURCE = Path(__file__).with_name("cpu_linear.cpp")
 EXTENSION_NAME = "treespec_cpu_linear"
@@ -57,17 +56,11 @@ def load() -> ModuleType | None:
     return build(EXTENSION_NAME, SOURCE, _probe)
 
 
-QUANT_ISA_ENV = "TREESPEC_CPU_QUANT_ISA"  # "avx2": run linear_quant's AVX2 code on an AVX-512 CPU
+QUANT_ISA_ENV = ISA_ENV  # "avx2": run linear_quant's AVX2 code on an AVX-512 CPU
 
 
 def quant_avx512() -> bool:
     """Whether `linear_quant` should run its AVX-512 code here: the CPU has it and TREESPEC_CPU_QUANT_ISA
     does not ask for avx2. Read when a weight is packed (tests pack once per setting)."""
-    isa = os.environ.get(QUANT_ISA_ENV, "").lower()
-    if isa not in ("", "avx2", "avx512"):
-        raise ValueError(f"{QUANT_ISA_ENV} must be avx2 or avx512, got {isa!r}")
     module = load()
-    has = module is not None and module.cpu_has_avx512()
-    if isa == "avx512" and not has:
-        raise ValueError(f"{QUANT_ISA_ENV}=avx512 but this CPU (or build) has no AVX-512")
-    return has and isa != "avx2"
+    return wants_avx512(module is not None and module.cpu_has_avx512())
