@@ -18,7 +18,7 @@ Launch order: on the 2-vCPU dev VM the server launched second ran 5-19 % faster 
 the same flags (plain vs plain: 1.19x at batch 1, 1.15x at c16; launched the other way round, 0.89x and
 0.96x; cause unknown). So the whole run happens twice by default (`--launch-orders 2`): plain launched
 first, then the speculative server first, and each row's ratio is the geometric mean of the two runs'
-ratios (tokens/s pooled over both). Every timed pass starts from flushed caches (`/flush_cache`: the radix cache,
+ratios (tokens/s averaged over both). Every timed pass starts from flushed caches (`/flush_cache`: the radix cache,
 and on the speculative server its n-gram corpus and parked draft rows), so no pass drafts from an
 earlier pass's replies to the same prompts (before 2026-11-26 the c4/c16 passes could: each prompt went
 to the speculative server once at batch 1 and twice per concurrency). Workloads:
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import platform
 import shlex
 import sys
@@ -93,13 +94,11 @@ async def run_batch1(urls: dict[str, str], prompts: list[list[int]], max_new: in
 
 
 def combine(runs: list[dict]) -> dict:
-    """One row from the same (workload, mode) measured under each launch order: tokens/s pooled, the
+    """One row from the same (workload, mode) measured under each launch order: tokens/s averaged, the
     ratio the geometric mean of the runs' ratios (the launch-order bias cancels), counts summed."""
     if len(runs) == 1:
         return runs[0]
-    ratio = 1.0
-    for r in runs:
-        ratio *= r["ratio"]
+    ratio = math.prod(r["ratio"] for r in runs)
     by_source: Counter[str] = Counter()
     for r in runs:
         by_source.update(r["accepted_drafts_by_source"])

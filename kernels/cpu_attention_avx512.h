@@ -130,14 +130,20 @@ struct Unit {
   int64_t req, kv_head, row0, row1, head0, head1;
 };
 
+// A row's own visible columns (after the shared ones): their K and V rows on the unit's KV head, shared
+// by the row's queries.
+struct OwnColumns {
+  std::vector<const float*> k, v;
+};
+
 // One query's part of a unit: its q, output, softmax weights p (its dense list: the shared columns, then
-// its own) and its own columns' V rows.
+// its own) and its row's own columns.
 struct Query {
   const float* q;
   float* out;
   const float* p;
   float inv;
-  std::vector<const float*> own_v;
+  const OwnColumns* own;
 };
 
 // V rows serve T queries at a time, all NC chunks of each in registers: T * NC <= kPvRegisters.
@@ -170,11 +176,11 @@ static void weighted_sums(Query* const* qs, const float* const* shared_v, int64_
   for (int t = 0; t < T; ++t) {  // each query's own columns continue its chains
     const Query& query = *qs[t];
     const float* own_p = query.p + shared;
-    for (size_t j = 0; j < query.own_v.size(); ++j) {
+    const std::vector<const float*>& own_v = query.own->v;
+    for (size_t j = 0; j < own_v.size(); ++j) {
       const __m512 w = _mm512_set1_ps(own_p[j]);
 #pragma GCC unroll 8
-      for (int i = 0; i < NC; ++i)
-        acc[t][i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(query.own_v[j] + 16 * i), acc[t][i]);
+      for (int i = 0; i < NC; ++i) acc[t][i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(own_v[j] + 16 * i), acc[t][i]);
     }
     const __m512 inv = _mm512_set1_ps(query.inv);
 #pragma GCC unroll 8
@@ -203,17 +209,20 @@ static void run_unit(const Unit& u, const Request& req, const float* qp, int64_t
     shared_k[j] = pool.row(pool.k, shared_slots[j], u.kv_head);
     shared_v[j] = pool.row(pool.v, shared_slots[j], u.kv_head);
   }
+  std::vector<OwnColumns> own(u.row1 - u.row0);
   std::vector<Query> qs;
   int64_t longest = 0;
   for (int64_t r = u.row0; r < u.row1; ++r) {
     const int64_t row = req.q_start + r;
-    longest = std::max<int64_t>(longest, static_cast<int64_t>(own_slots[row].size()));
-    for (int64_t h = u.head0; h < u.head1; ++h) {
-      Query query{qp + row * q_row_stride + h * pool.head_dim, op + (row * num_heads + h) * pool.head_dim,
-                  nullptr, 0.f, {}};
-      for (int64_t slot : own_slots[row]) query.own_v.push_back(pool.row(pool.v, slot, u.kv_head));
-      qs.push_back(std::move(query));
+    OwnColumns& cols = own[r - u.row0];
+    for (int64_t slot : own_slots[row]) {
+      cols.k.push_back(pool.row(pool.k, slot, u.kv_head));
+      cols.v.push_back(pool.row(pool.v, slot, u.kv_head));
     }
+    longest = std::max<int64_t>(longest, static_cast<int64_t>(cols.k.size()));
+    for (int64_t h = u.head0; h < u.head1; ++h)
+      qs.push_back({qp + row * q_row_stride + h * pool.head_dim, op + (row * num_heads + h) * pool.head_dim,
+                    nullptr, 0.f, &cols});
   }
   const int64_t queries = static_cast<int64_t>(qs.size());
   const int64_t stride = (shared + longest + 7) / 8 * 8;  // softmax_in_place reads whole 8-float blocks
@@ -227,13 +236,10 @@ static void run_unit(const Unit& u, const Request& req, const float* qp, int64_t
       else score_block<NC, false>(qs[t].q, shared_k.data() + j, count, scale, st);
     }
   }
-  std::vector<const float*> own_k;
   for (int64_t t = 0; t < queries; ++t) {
     Query& query = qs[t];
     float* st = s.data() + t * stride;
-    const int64_t row = req.q_start + u.row0 + t / (u.head1 - u.head0);
-    own_k.clear();
-    for (int64_t slot : own_slots[row]) own_k.push_back(pool.row(pool.k, slot, u.kv_head));
+    const std::vector<const float*>& own_k = query.own->k;
     const int64_t n = shared + static_cast<int64_t>(own_k.size());
     score_columns<NC>(query.q, own_k.data(), static_cast<int64_t>(own_k.size()), scale, st + shared);
     std::fill(st + n, st + (n + 7) / 8 * 8, -std::numeric_limits<float>::infinity());

@@ -183,7 +183,7 @@ def test_largest_default_tree_verifies_on_the_kernel_bit_for_bit(tmp_path, avx51
                          kv_pool_size=128)
     backend = runner.attn_backend
     backend.avx512 = avx512
-    backend.max_kernel_rows = KERNEL_MAX_QUERY_ROWS_AVX512 if avx512 else KERNEL_MAX_QUERY_ROWS
+    assert backend.max_kernel_rows == (KERNEL_MAX_QUERY_ROWS_AVX512 if avx512 else KERNEL_MAX_QUERY_ROWS) >= 27
     prefix = torch.arange(1, 8)
 
     def forward(mode, ids, positions, slots, kv, masks=None):

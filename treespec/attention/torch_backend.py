@@ -64,8 +64,12 @@ class TorchAttnBackend:
         use_kernel = device.type == "cpu" and dtype == torch.float32
         self.kernel = cpu_attention.load() if use_kernel else None
         self.avx512 = self.kernel is not None and cpu_attention.use_avx512()
-        self.max_kernel_rows = KERNEL_MAX_QUERY_ROWS_AVX512 if self.avx512 else KERNEL_MAX_QUERY_ROWS
         self.kernel_args: tuple | None = None
+
+    @property
+    def max_kernel_rows(self) -> int:
+        """Query rows per request the kernel takes with the code this backend runs."""
+        return KERNEL_MAX_QUERY_ROWS_AVX512 if self.avx512 else KERNEL_MAX_QUERY_ROWS
 
     def init_forward_metadata(self, meta: AttentionMetadata) -> None:
         qo = meta.qo_indptr.tolist()
