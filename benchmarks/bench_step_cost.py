@@ -125,12 +125,23 @@ def measure(engines: dict, timer: Timer, prompts: list[list[int]], max_new: int)
     return results
 
 
+def engine_kwargs(items: list[str]) -> dict:
+    """key=value items as Engine keyword arguments (integers as int)."""
+    kwargs = {}
+    for item in items:
+        key, value = item.split("=", 1)
+        kwargs[key] = int(value) if value.lstrip("-").isdigit() else value
+    return kwargs
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="chat", choices=WORKLOADS)
     p.add_argument("--num-prompts", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--spec-args", nargs="*", default=[], help="Engine keyword=value for the speculative engine")
+    p.add_argument("--common-args", nargs="*", default=[],
+                   help="Engine keyword=value for both engines (e.g. block_quant_activations=int8)")
     p.add_argument("--json", default="bench_step_cost.json")
     args = p.parse_args(argv)
 
@@ -138,14 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     from treespec.tokenizer import load_tokenizer
 
     prompts = workload_prompts(args.workload, load_tokenizer(resolve_model_path(None)), args.num_prompts)
-    spec_kwargs = {}
-    for item in args.spec_args:
-        key, value = item.split("=", 1)
-        spec_kwargs[key] = int(value) if value.lstrip("-").isdigit() else value
+    common, spec_kwargs = engine_kwargs(args.common_args), engine_kwargs(args.spec_args)
     timer = Timer()
     instrument_modules(timer)
-    engines = {"plain": load({"speculative_algorithm": "NONE"}, prompts[0], timer),
-               "spec": load(spec_kwargs, prompts[0], timer)}
+    engines = {"plain": load({**common, "speculative_algorithm": "NONE"}, prompts[0], timer),
+               "spec": load({**common, **spec_kwargs}, prompts[0], timer)}
     results = measure(engines, timer, prompts, args.max_new_tokens)
     for engine in engines.values():
         with contextlib.suppress(Exception):
@@ -168,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in results.items():
         print(f"{name}: {r['tok_s']:.1f} tok/s, {r['tokens'] / r['decode_steps']:.2f} tokens per decode step")
     print(f"spec / plain: {results['spec']['tok_s'] / results['plain']['tok_s']:.2f}x")
-    Path(args.json).write_text(json.dumps({"workload": args.workload, "spec_args": spec_kwargs, **results}, indent=1))
+    Path(args.json).write_text(json.dumps({"workload": args.workload, "spec_args": spec_kwargs, "common_args": common,
+                                           **results}, indent=1))
     return 0
 
 

@@ -16,6 +16,8 @@ torch::Tensor pack(torch::Tensor w);
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n);
 torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n,
                            bool avx512);
+torch::Tensor linear_quant_int8(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n,
+                                bool avx512);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
                                                       double eps);
@@ -28,13 +30,15 @@ void rope_store(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tenso
                 torch::Tensor& k_buf, torch::Tensor& v_buf, int64_t num_heads);
 
 // One packed matmul as models/packed_linear.py runs it. mode: 0 = fp32/bf16 panels (`linear`),
-// 1 = block quant, AVX2 code, 2 = block quant, AVX-512 code. An empty bias means none.
+// 1 = block quant, AVX2 code, 2 = block quant, AVX-512 code, 3 / 4 = block quant with int8 activations
+// (`linear_quant_int8`), AVX2 / AVX-512 VNNI code. An empty bias means none.
 struct Linear {
   torch::Tensor data, bias;
   int64_t n, mode;
   torch::Tensor operator()(const torch::Tensor& x) const {
     c10::optional<torch::Tensor> b;
     if (bias.numel() > 0) b = bias;
+    if (mode >= 3) return linear_quant_int8(x, data, b, n, mode == 4);
     return mode == 0 ? linear(x, data, b, n) : linear_quant(x, data, b, n, mode == 2);
   }
 };
@@ -45,7 +49,7 @@ static std::vector<Linear> linears(const std::vector<torch::Tensor>& data, const
               "decoder_layers: one ", what, " weight, bias and mode per layer expected");
   std::vector<Linear> out;
   for (size_t i = 0; i < layers; ++i) {
-    TORCH_CHECK(mode[i] >= 0 && mode[i] <= 2, "decoder_layers: bad mode for ", what);
+    TORCH_CHECK(mode[i] >= 0 && mode[i] <= 4, "decoder_layers: bad mode for ", what);
     out.push_back({data[i], bias[i], n, mode[i]});
   }
   return out;

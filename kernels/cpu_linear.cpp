@@ -462,6 +462,61 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, c10::optional<
   return out;
 }
 
+// --- Int8 activations (`--block-quant-activations int8`): cpu_linear_int8.h --------------------------
+#include "cpu_linear_int8.h"
+
+// Whether this CPU runs linear_quant_int8's AVX-512 code (AVX-512 F, BW, VL, DQ and VNNI)
+bool cpu_has_avx512_vnni() { return cpu_has_avx512() && __builtin_cpu_supports("avx512vnni"); }
+
+// x @ (scale * code + min)^T (+ bias) with x quantized to int8 per row and block of 32 k (the numerics
+// of cpu_linear_int8.h, not linear_quant's). avx512: the VNNI code (only where cpu_has_avx512_vnni);
+// the AVX2 code otherwise. Both give the same bits, and a row's result does not depend on the others.
+torch::Tensor linear_quant_int8(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n,
+                                bool avx512) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
+              "linear_quant_int8: expected a contiguous 2-D fp32 input");
+  const int64_t block_bytes = packed.dim() == 3 ? packed.size(2) : -1;
+  const int64_t bits = block_bytes == quant_block_bytes(4) ? 4 : block_bytes == quant_block_bytes(8) ? 8 : 0;
+  TORCH_CHECK(bits && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+              packed.size(1) * kQuantBlock == x.size(1) && packed.size(0) * kGroupCols >= n &&
+              (packed.size(0) - 1) * kGroupCols < n,
+              "linear_quant_int8: packed weight does not match the input or n");
+  TORCH_CHECK(!avx512 || cpu_has_avx512_vnni(), "linear_quant_int8: this CPU has no AVX-512 VNNI");
+  if (bias.has_value())
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == torch::kFloat32,
+                "linear_quant_int8: bias must be contiguous fp32 of size n");
+  const int64_t rows = x.size(0), k_dim = x.size(1), blocks = k_dim / kQuantBlock;
+  auto out = torch::empty({rows, n}, x.options());
+  auto q = torch::empty({rows, k_dim}, x.options().dtype(torch::kInt8));
+  auto scales = torch::empty({2, rows, blocks}, x.options());  // d, then s, per row and block
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* dp = scales.data_ptr<float>();
+  float* sp = dp + rows * blocks;
+  const uint8_t* data = packed.data_ptr<uint8_t>();
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = out.data_ptr<float>();
+  pybind11::gil_scoped_release no_gil;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    quantize_rows(xp + begin * k_dim, end - begin, k_dim, bits, qp + begin * k_dim, dp + begin * blocks,
+                  sp + begin * blocks);
+  });
+  for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock) {
+    const int64_t block = std::min(kRowBlock, rows - m0);
+    const int8_t* qb = qp + m0 * k_dim;
+    const float *db = dp + m0 * blocks, *sb = sp + m0 * blocks;
+    float* yb = yp + m0 * n;
+    // threads split whole groups: no two share a cache line of codes
+    at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+      if (avx512 && bits == 4) int8_avx512::group_rows<4>(qb, db, sb, block, k_dim, data, block_bytes, yb, n, bp, n, begin, end);
+      else if (avx512) int8_avx512::group_rows<8>(qb, db, sb, block, k_dim, data, block_bytes, yb, n, bp, n, begin, end);
+      else if (bits == 4) int8_avx2::group_rows<4>(qb, db, sb, block, k_dim, data, block_bytes, yb, n, bp, n, begin, end);
+      else int8_avx2::group_rows<8>(qb, db, sb, block, k_dim, data, block_bytes, yb, n, bp, n, begin, end);
+    });
+  }
+  return out;
+}
+
 #ifndef TREESPEC_NO_MODULE  // compiled into cpu_layers.cpp's extension without its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "fp32/bf16 [N, K] weight -> [ceil(N/16), K, 16] panels");
@@ -469,5 +524,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_quant", &pack_quant, "uint8 codes, fp16 scales and mins [N, K/32] -> packed blocks");
   m.def("linear_quant", &linear_quant, "fp32 x [M, K] @ (scale * code + min)^T (+ bias) -> [M, N]");
   m.def("cpu_has_avx512", &cpu_has_avx512, "whether linear_quant's AVX-512 code runs on this CPU");
+  m.def("linear_quant_int8", &linear_quant_int8, "fp32 x, quantized to int8 per 32 k, @ block-quant weights^T");
+  m.def("cpu_has_avx512_vnni", &cpu_has_avx512_vnni, "whether linear_quant_int8's AVX-512 code runs on this CPU");
 }
 #endif

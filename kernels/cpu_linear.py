@@ -15,6 +15,9 @@ Block-quant weights (GGUF Q4_0/Q4_1/Q8_0 blocks: uint8 codes, fp16 scale and min
 `linear_quant(x, packed, bias, N, avx512)` computes x @ (scale * code + min).T (+ bias), bit for bit
 `linear` over the dequantized fp32 weight. Its AVX-512 code runs where the CPU has AVX-512
 (`quant_avx512()`), unless TREESPEC_CPU_QUANT_ISA=avx2 asks for the AVX2 code (both give the same bits).
+`linear_quant_int8(x, packed, bias, N, avx512)` computes the same product with x quantized to int8 per
+row and block of 32 k (llama.cpp's activation quantization; `cpu_linear_int8.h`): not `linear`'s bits,
+but the same bits on its AVX2 and AVX-512 VNNI codes (`quant_int8_avx512()`), and batch-invariant.
 
 Compiled once per machine by `cpu_extension.build`; `load()` returns None, with a logged reason,
 where the CPU lacks AVX2/FMA or the build fails; callers then keep oneDNN or F.linear.
@@ -48,6 +51,11 @@ def _probe(module: ModuleType) -> None:
         got = module.linear_quant(probe.repeat(1, 4)[:, :64].contiguous(), packed, None, 17, avx512)
         if not torch.equal(got, want):
             raise RuntimeError(f"linear_quant (avx512={avx512}) differs from linear over the same weight")
+    x = probe.repeat(1, 4)[:, :64].contiguous()
+    int8 = [module.linear_quant_int8(x, packed, None, 17, v) for v in {False, bool(module.cpu_has_avx512_vnni())}]
+    torch.testing.assert_close(int8[0], want, rtol=0.05, atol=0.05 * float(want.abs().max()))
+    if not torch.equal(int8[0], int8[-1]):
+        raise RuntimeError("linear_quant_int8's AVX2 and AVX-512 VNNI codes differ")
 
 
 @functools.cache
@@ -64,3 +72,10 @@ def quant_avx512() -> bool:
     does not ask for avx2. Read when a weight is packed (tests pack once per setting)."""
     module = load()
     return wants_avx512(module is not None and module.cpu_has_avx512())
+
+
+def quant_int8_avx512() -> bool:
+    """Whether `linear_quant_int8` should run its AVX-512 VNNI code here (as quant_avx512, the env can
+    ask for the AVX2 code)."""
+    module = load()
+    return wants_avx512(module is not None and module.cpu_has_avx512_vnni())

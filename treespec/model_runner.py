@@ -32,10 +32,12 @@ class ModelRunner:
         context_len: int | None = None,
         packed_linear: bool = True,
         block_quant: bool = True,
+        block_quant_activations: str = "fp32",
         tp: TPGroup | None = None,
         keep_full_vocab: bool = True,
     ) -> None:
-        """`tp`: load this rank's shard; `keep_full_vocab`: under tp, keep the whole embedding and lm_head
+        """`block_quant_activations`: what block-quant matmuls take their inputs as (fp32 | int8);
+        `tp`: load this rank's shard; `keep_full_vocab`: under tp, keep the whole embedding and lm_head
         for a draft head that shares them (vocab_weights)."""
         self.device, self.dtype = device, dtype
         self.tp = tp
@@ -73,7 +75,11 @@ class ModelRunner:
         del state
         self.model = model.to(device=device, dtype=dtype).eval()
         self.model.rotary.to(device)
-        self.packed_linear = packed_linear and self.model.pack_for_inference(device, dtype, block_quants)
+        self.packed_linear = packed_linear and self.model.pack_for_inference(device, dtype, block_quants,
+                                                                             block_quant_activations)
+        if block_quant_activations != "fp32" and not self.model.has_block_quant_weights():
+            raise ValueError(f"--block-quant-activations {block_quant_activations}: no weight of this model runs on "
+                             "the block-quant kernel (it takes a GGUF Q4_0/Q4_1/Q8_0 model in fp32 on a CPU)")
         self.kv_pool = KVPool(
             kv_pool_size, self.config.num_layers, self.local_config.num_kv_heads, self.config.head_dim, dtype, device
         )

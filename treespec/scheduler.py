@@ -69,7 +69,8 @@ class Scheduler:
         pool_size = args.max_total_tokens or DEFAULT_KV_TOKENS
         self.runner = ModelRunner(self.model_dir, self.dtype, self.device, pool_size, args.context_length,
                                   packed_linear=not args.disable_packed_linear,
-                                  block_quant=not args.disable_block_quant, tp=tp,
+                                  block_quant=not args.disable_block_quant,
+                                  block_quant_activations=args.block_quant_activations, tp=tp,
                                   keep_full_vocab=args.speculative_algorithm in ("EAGLE", "EAGLE3"))
         self.model_config = self.runner.config
         self.context_len = self.runner.context_len

@@ -25,6 +25,8 @@ def _mode(packed: PackedWeight) -> int | None:
     """cpu_layers' matmul mode for a packed weight, None where the C++ loop cannot run it."""
     if packed.layout == "panel":
         return 0
+    if packed.layout == "panel_quant" and packed.activations == "int8":
+        return 4 if packed.avx512 else 3
     if packed.layout == "panel_quant":
         return 2 if packed.avx512 else 1
     return None

@@ -119,20 +119,26 @@ class LlamaForCausalLM(nn.Module):
         self.layer_stack: LayerStack | None = None  # every layer in one C++ call, set by pack_for_inference
 
     def pack_for_inference(self, device: torch.device, dtype: torch.dtype,
-                           block_quants: dict[str, BlockQuant] | None = None) -> bool:
+                           block_quants: dict[str, BlockQuant] | None = None, activations: str = "fp32") -> bool:
         """Packed weights for every matmul (see models/packed_linear.py; from the HF-named GGUF blocks in
-        `block_quants` where they reproduce the weights), the dense lm_head kept for drafts to share, and
-        the CPU norm, rope and KV-store kernels. Returns whether packing applied."""
+        `block_quants` where they reproduce the weights, their matmuls taking `activations`), the dense
+        lm_head kept for drafts to share, and the CPU norm, rope and KV-store kernels. Returns whether
+        packing applied."""
         if packing_layout(device, dtype) is None:
             return False
         fused = fuse_llama_block_quant(block_quants or {}, self.config.num_layers, self.config.tie_word_embeddings)
-        pack_linears(self.layers, device, dtype, fused)
-        self.packed_lm_head = pack_weight(self.lm_head_weight, block_quant=fused.get("lm_head"))
+        pack_linears(self.layers, device, dtype, fused, activations)
+        self.packed_lm_head = pack_weight(self.lm_head_weight, block_quant=fused.get("lm_head"), activations=activations)
         self._gather_packed_weights()
         use_cpu_kernels(self)
         # the C++ loop has no collectives: under tensor parallelism the layers keep their all-reduces
         self.layer_stack = LayerStack.for_model(self.layers, dtype) if self.tp is None else None
         return True
+
+    def has_block_quant_weights(self) -> bool:
+        """Whether any matmul streams block-quant codes (the "panel_quant" layout)."""
+        packed = [m.packed for m in self.layers.modules() if isinstance(m, PackedLinear)] + [self.packed_lm_head]
+        return any(p is not None and p.layout == "panel_quant" for p in packed)
 
     def _gather_packed_weights(self) -> None:
         """Every packed weight into one buffer in the order a step reads them (layer by layer, then

@@ -34,6 +34,8 @@ from torch import nn
 from treespec.kernels import cpu_linear
 from treespec.models.block_quant import BlockQuant
 
+ACTIVATIONS = ("fp32", "int8")  # what block-quant matmuls take their input rows as
+
 # oneDNN picks its blocked layout for this many rows; 8 suits decode (1 row) and verify (4-16 rows)
 # alike on the machine we measured, and prefill chunks of hundreds of rows stay as fast as MKL's.
 ONEDNN_BATCH_HINT = 8
@@ -45,6 +47,7 @@ class PackedWeight:
     out_features: int
     layout: str  # "panel", "panel_quant" or "onednn"
     avx512: bool = False  # "panel_quant": run the kernel's AVX-512 code (chosen at pack time)
+    activations: str = "fp32"  # "panel_quant": "int8" quantizes each input row per 32 k (linear_quant_int8)
 
 
 def packing_layout(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -83,13 +86,19 @@ def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), ONEDNN_BATCH_HINT)
 
 
-def pack_weight(weight: torch.Tensor, layout: str | None = None, block_quant: BlockQuant | None = None) -> PackedWeight:
+def pack_weight(weight: torch.Tensor, layout: str | None = None, block_quant: BlockQuant | None = None,
+                activations: str = "fp32") -> PackedWeight:
     """[out, in] dense weight -> its packed copy for `packed_linear` (layout: this device's by default).
     With the panel layout, a `block_quant` that reproduces the fp32 weight exactly is packed instead
-    (models/block_quant.py): same results, ~4x fewer bytes streamed."""
+    (models/block_quant.py): same results, ~4x fewer bytes streamed. `activations` "int8": such a
+    weight's matmuls quantize their input rows to int8 (`--block-quant-activations`)."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
     layout = layout or packing_layout(weight.device, weight.dtype)
     if layout == "panel" and block_quant is not None and block_quant.reproduces(weight):
         blocks = cpu_linear.load().pack_quant(block_quant.codes, block_quant.scales, block_quant.mins)
+        if activations == "int8":
+            return PackedWeight(blocks, weight.shape[0], "panel_quant", cpu_linear.quant_int8_avx512(), "int8")
         return PackedWeight(blocks, weight.shape[0], "panel_quant", cpu_linear.quant_avx512())
     if layout == "panel":
         dense = weight.detach().contiguous()
@@ -112,6 +121,8 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
         return x.new_empty(*x.shape[:-1], packed.out_features)
     if packed.layout == "panel":
         out = cpu_linear.load().linear(rows, packed.data, bias, packed.out_features)
+    elif packed.layout == "panel_quant" and packed.activations == "int8":
+        out = cpu_linear.load().linear_quant_int8(rows, packed.data, bias, packed.out_features, packed.avx512)
     elif packed.layout == "panel_quant":
         out = cpu_linear.load().linear_quant(rows, packed.data, bias, packed.out_features, packed.avx512)
     else:
@@ -129,10 +140,11 @@ def head_logits(rows: torch.Tensor, weight: torch.Tensor, packed: PackedWeight |
 class PackedLinear(nn.Module):
     """Drop-in for an inference-only nn.Linear; the dense weight is dropped to save memory."""
 
-    def __init__(self, linear: nn.Linear, layout: str | None = None, block_quant: BlockQuant | None = None) -> None:
+    def __init__(self, linear: nn.Linear, layout: str | None = None, block_quant: BlockQuant | None = None,
+                 activations: str = "fp32") -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = pack_weight(linear.weight, layout, block_quant)
+        self.packed = pack_weight(linear.weight, layout, block_quant, activations)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -140,10 +152,11 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype,
-                 block_quants: dict[str, BlockQuant] | None = None) -> int:
+                 block_quants: dict[str, BlockQuant] | None = None, activations: str = "fp32") -> int:
     """Replace every nn.Linear under `model` by a PackedLinear (when a packed layout serves this
     device and dtype), from its block quant in `block_quants` (keyed by module name under `model`)
-    where that reproduces its weight. Returns how many were replaced."""
+    where that reproduces its weight (`activations`: what those matmuls take their inputs as).
+    Returns how many were replaced."""
     layout = packing_layout(device, dtype)
     if layout is None:
         return 0
@@ -152,5 +165,5 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype,
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     for prefix, parent, name, child in targets:
         full_name = f"{prefix}.{name}" if prefix else name
-        setattr(parent, name, PackedLinear(child, layout, block_quants.get(full_name)))
+        setattr(parent, name, PackedLinear(child, layout, block_quants.get(full_name), activations))
     return len(targets)

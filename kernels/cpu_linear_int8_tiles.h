@@ -1,0 +1,91 @@
+// Int8-activation block-quant tiles for one vector width (cpu_linear_int8.h). Included twice, into the
+// namespaces int8_avx2 and int8_avx512, after defining there V (16 fp32 lanes), VI (16 int32 lanes),
+// Dot (one output panel's integer sums for one row) and their ops: vzero, vset, vmul, vfma, vhalf,
+// vstore, vwords, dot_zero, dot_add<BITS>(dot, words, q, r), dot_float<BITS>(dot); and kRowTile.
+// No include guard.
+
+// ROWS quantized rows against PANELS consecutive panels, the first `panel0`. Per block: the integer
+// sums of every (row, panel) over the block's word rows, then per output the two fmas of
+// cpu_linear_int8.h in their fixed order.
+template <int BITS, int ROWS, int PANELS>
+static inline void tile(const int8_t* q, const float* xd, const float* xs, int64_t k_dim, const uint8_t* data,
+                        int64_t block_bytes, int64_t panel0, float* y, int64_t ldy, const float* bias,
+                        int64_t cols_left) {
+  constexpr int kWords = kQuantBlock / (32 / BITS);  // word rows per block: 4 (4-bit), 8 (8-bit)
+  const int64_t blocks = k_dim / kQuantBlock;
+  const uint8_t* group[PANELS];
+  int64_t half[PANELS];
+#pragma GCC unroll 4
+  for (int j = 0; j < PANELS; ++j) {
+    group[j] = data + (panel0 + j) / kGroupPanels * blocks * block_bytes;
+    half[j] = (panel0 + j) % kGroupPanels;
+  }
+  V acc[ROWS * PANELS];
+#pragma GCC unroll 16
+  for (int a = 0; a < ROWS * PANELS; ++a) acc[a] = vzero();
+  for (int64_t b = 0; b < blocks; ++b) {
+#pragma GCC unroll 4
+    for (int j = 0; j < PANELS; ++j) {  // as the fp32-activation tiles: ahead, on past the group's end
+      if (j > 0 && half[j] != 0) continue;
+      const char* ahead = reinterpret_cast<const char*>(group[j] + (b + kPrefetchBlocks) * block_bytes);
+      for (int64_t line = 0; line < block_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    }
+    Dot dot[ROWS * PANELS];
+#pragma GCC unroll 16
+    for (int a = 0; a < ROWS * PANELS; ++a) dot[a] = dot_zero();
+#pragma GCC unroll 8
+    for (int r = 0; r < kWords; ++r) {
+      VI w[PANELS];
+#pragma GCC unroll 4
+      for (int j = 0; j < PANELS; ++j)
+        w[j] = vwords(group[j] + b * block_bytes + kQuantHeader + (half[j] * kPanel + r * kGroupCols) * 4);
+#pragma GCC unroll 8
+      for (int m = 0; m < ROWS; ++m) {
+        const int8_t* qm = q + m * k_dim + b * kQuantBlock + r * (32 / BITS);
+#pragma GCC unroll 4
+        for (int j = 0; j < PANELS; ++j) dot_add<BITS>(dot[m * PANELS + j], w[j], qm, r);
+      }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < PANELS; ++j) {
+      const uint8_t* header = group[j] + b * block_bytes + half[j] * kPanel * 4;  // 16 fp16 scales, 16 mins
+      const V scale = vhalf(header), min = vhalf(header + kPanel * 2);
+#pragma GCC unroll 8
+      for (int m = 0; m < ROWS; ++m) {
+        V& out = acc[m * PANELS + j];
+        out = vfma(vmul(scale, vset(xd[m * blocks + b])), dot_float<BITS>(dot[m * PANELS + j]), out);
+        out = vfma(min, vset(xs[m * blocks + b]), out);
+      }
+    }
+  }
+  alignas(64) float out[ROWS * PANELS][kPanel];
+#pragma GCC unroll 16
+  for (int a = 0; a < ROWS * PANELS; ++a) vstore(out[a], acc[a]);
+  for (int m = 0; m < ROWS; ++m) {
+    for (int j = 0; j < PANELS; ++j) {
+      const int64_t cols = std::min(kPanel, cols_left - j * kPanel);
+      const float* bj = bias ? bias + j * kPanel : nullptr;
+      const float* o = out[m * PANELS + j];
+      float* yr = y + m * ldy + j * kPanel;
+      for (int64_t c = 0; c < cols; ++c) yr[c] = bj ? o[c] + bj[c] : o[c];
+    }
+  }
+}
+
+// All rows against the groups [g0, g1), one group (two panels, one contiguous code stream) at a time:
+// a group's codes stay in cache for all its row tiles.
+template <int BITS>
+static void group_rows(const int8_t* q, const float* xd, const float* xs, int64_t rows, int64_t k_dim,
+                       const uint8_t* data, int64_t block_bytes, float* y, int64_t ldy, const float* bias, int64_t n,
+                       int64_t g0, int64_t g1) {
+  const int64_t blocks = k_dim / kQuantBlock;
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t p = g * kGroupPanels, col0 = p * kPanel;
+    const float* bg = bias ? bias + col0 : nullptr;
+    tile_rows<kRowTile>(rows, [&](auto tile_rows_n, int64_t m) {
+      tile<BITS, decltype(tile_rows_n)::value, kGroupPanels>(q + m * k_dim, xd + m * blocks, xs + m * blocks, k_dim,
+                                                             data, block_bytes, p, y + m * ldy + col0, ldy, bg,
+                                                             n - col0);
+    });
+  }
+}

@@ -1,0 +1,184 @@
+"""`--block-quant-activations int8`: block-quant matmuls over input rows quantized to int8 per 32 k
+(kernels/cpu_linear_int8.h). The kernel computes the documented formula (a float64 reference over the
+same quantization), its AVX2 and AVX-512 VNNI codes give the same bits, a row's result does not depend
+on the other rows, and greedy speculation on the default model still equals plain decoding token for
+token under these numerics."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from treespec.args import ArgError, ServerArgs
+from treespec.kernels import cpu_layers, cpu_linear
+from treespec.model_runner import ModelRunner
+from treespec.models.packed_linear import PackedLinear, pack_weight
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_block_quant import forward_logits, random_block_quant, write_block_quant_tiny_llama  # noqa: E402
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(cpu_linear.load() is None, reason="block-quant kernel unavailable on this CPU")
+
+
+def has_vnni() -> bool:
+    return bool(cpu_linear.load().cpu_has_avx512_vnni())
+
+
+def reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """The formula of cpu_linear_int8.h in float64 after the same int8 quantization of x."""
+    n, k = codes.shape
+    xb = x.view(x.shape[0], k // 32, 32)
+    d = xb.abs().amax(-1) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv[..., None]).clamp(-127, 127)  # round half to even, as the kernel
+    s = d * q.sum(-1)
+    isum = torch.einsum("rbk,nbk->rnb", q.double(), codes.view(n, k // 32, 32).double())
+    out = scales.double()[None] * d.double()[:, None] * isum + mins.double()[None] * s.double()[:, None]
+    return out.sum(-1)
+
+
+def run(x, packed, bias, n, avx512):
+    return cpu_linear.load().linear_quant_int8(x, packed, bias, n, avx512)
+
+
+@pytest.mark.parametrize("max_code", [15, 255], ids=["4-bit", "8-bit"])
+@pytest.mark.parametrize("n,k", [(17, 64), (64, 576), (300, 96), (40, 1536)])
+def test_int8_kernel_computes_the_formula_on_both_codes(n, k, max_code):
+    quant = random_block_quant(n, k, seed=n + k, max_code=max_code)
+    packed = cpu_linear.load().pack_quant(quant.codes, quant.scales, quant.mins)
+    gen = torch.Generator().manual_seed(k)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(45, k, generator=gen) * torch.rand(45, 1, generator=gen) * 4
+    want = reference(x, quant.codes, quant.scales, quant.mins) + bias.double()
+    codes = [False, True] if has_vnni() else [False]
+    for rows in (1, 2, 3, 5, 8, 9, 13, 17, 45):
+        outs = [run(x[:rows].contiguous(), packed, bias, n, avx512) for avx512 in codes]
+        scale = float(want[:rows].abs().max())
+        torch.testing.assert_close(outs[0].double(), want[:rows], rtol=0, atol=2e-6 * scale)
+        for out in outs[1:]:
+            assert torch.equal(out, outs[0]), f"{rows} rows: the AVX-512 VNNI code differs from the AVX2 code"
+
+
+@pytest.mark.parametrize("avx512", [False, True], ids=["avx2", "avx512-vnni"])
+def test_int8_row_results_do_not_depend_on_the_batch(avx512):
+    """What makes a tree verify reproduce the decode steps: each row alone gives its bits in the batch."""
+    if avx512 and not has_vnni():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    for max_code in (15, 255):
+        quant = random_block_quant(72, 192, seed=max_code, max_code=max_code)
+        packed = cpu_linear.load().pack_quant(quant.codes, quant.scales, quant.mins)
+        x = torch.randn(37, 192, generator=torch.Generator().manual_seed(3))
+        batch = run(x, packed, None, 72, avx512)
+        for i in (0, 7, 8, 20, 36):
+            assert torch.equal(run(x[i : i + 1].contiguous(), packed, None, 72, avx512)[0], batch[i])
+            assert torch.equal(run(x[: i + 1].contiguous(), packed, None, 72, avx512)[i], batch[i])
+
+
+def test_int8_quantization_edge_cases():
+    """A block of zeros (scale 0) contributes nothing; a row of one huge value and tiny ones keeps the
+    huge one; values that round to the int8 limit stay within it; the result stays near fp32's."""
+    quant = random_block_quant(32, 128, seed=9, max_code=15)
+    packed = cpu_linear.load().pack_quant(quant.codes, quant.scales, quant.mins)
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(4))
+    x[0] = 0.0
+    x[1, :32] = 0.0
+    x[2] = 1e-3
+    x[2, 5] = 1e4
+    x[3, 64:96] = -x[3, 64:96].abs().max()  # every value at -amax: q = -127
+    bias = torch.randn(32)
+    got = run(x, packed, bias, 32, False)
+    assert torch.equal(got[0], bias)
+    want = reference(x, quant.codes, quant.scales, quant.mins) + bias.double()
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6 * float(want.abs().max()))
+    fp32 = x @ quant.dequantize().T + bias
+    torch.testing.assert_close(got[1:], fp32[1:], rtol=0.02, atol=0.02 * float(fp32[1:].abs().max()))
+
+
+def test_int8_kernel_rejects_mismatched_inputs():
+    quant = random_block_quant(32, 64, seed=1, max_code=15)
+    packed = cpu_linear.load().pack_quant(quant.codes, quant.scales, quant.mins)
+    with pytest.raises(RuntimeError, match="does not match"):
+        run(torch.randn(2, 96), packed, None, 32, False)
+    with pytest.raises(RuntimeError, match="fp32"):
+        run(torch.randn(2, 64).double(), packed, None, 32, False)
+    if not has_vnni():
+        with pytest.raises(RuntimeError, match="VNNI"):
+            run(torch.randn(2, 64), packed, None, 32, True)
+
+
+def test_pack_weight_records_the_activations_and_isa(monkeypatch):
+    quant = random_block_quant(16, 64, seed=2, max_code=15)
+    monkeypatch.delenv(cpu_linear.QUANT_ISA_ENV, raising=False)
+    packed = pack_weight(quant.dequantize(), "panel", quant, activations="int8")
+    assert (packed.layout, packed.activations, packed.avx512) == ("panel_quant", "int8", has_vnni())
+    monkeypatch.setenv(cpu_linear.QUANT_ISA_ENV, "avx2")
+    assert pack_weight(quant.dequantize(), "panel", quant, activations="int8").avx512 is False
+    with pytest.raises(ValueError, match="activations"):
+        pack_weight(quant.dequantize(), "panel", quant, activations="int4")
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_tiny_model_with_int8_activations(tmp_path, monkeypatch, isa):
+    """Every matmul of a block-quant tiny model takes int8 rows; its logits stay near the fp32 ones,
+    and the C++ layer stack gives the Python loop's bits."""
+    if isa == "avx512" and not has_vnni():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    monkeypatch.setenv(cpu_linear.QUANT_ISA_ENV, isa)
+    path = write_block_quant_tiny_llama(tmp_path / "tiny")
+    int8 = ModelRunner(path, torch.float32, CPU, kv_pool_size=64, block_quant_activations="int8")
+    packed = [m.packed for m in int8.model.layers.modules() if isinstance(m, PackedLinear)]
+    packed.append(int8.model.packed_lm_head)
+    assert {(p.layout, p.activations, p.avx512) for p in packed} == {("panel_quant", "int8", isa == "avx512")}
+    got = forward_logits(int8)
+    fp32 = forward_logits(ModelRunner(path, torch.float32, CPU, kv_pool_size=64))
+    assert not torch.equal(got, fp32)  # other numerics
+    torch.testing.assert_close(got, fp32, rtol=0.05, atol=0.05 * float(fp32.abs().max()))
+    if cpu_layers.load() is not None:
+        assert int8.model.layer_stack is not None
+        assert set(int8.model.layer_stack.weights[5]) == {4 if isa == "avx512" else 3}  # qkv modes
+        python = ModelRunner(path, torch.float32, CPU, kv_pool_size=64, block_quant_activations="int8")
+        python.model.layer_stack = None
+        assert torch.equal(got, forward_logits(python))
+
+
+def test_int8_needs_block_quant_weights(tmp_path):
+    from model_factory import make_tiny_model
+
+    path = make_tiny_model("llama", tmp_path / "dense")
+    with pytest.raises(ValueError, match="--block-quant-activations int8"):
+        ModelRunner(path, torch.float32, CPU, kv_pool_size=64, block_quant_activations="int8")
+    with pytest.raises(ArgError, match="--block-quant-activations"):
+        ServerArgs(block_quant_activations="int4").resolve()
+    with pytest.raises(ArgError, match="--block-quant-activations"):
+        ServerArgs(block_quant_activations="int8", disable_block_quant=True).resolve()
+
+
+PROMPTS = [
+    "Repeat this list exactly: apple, banana, cherry, date, elderberry, fig, grape, honeydew.",
+    "What is the capital of France?",
+    "Copy this line: def add(a, b): return a + b",
+    "Name three colours.",
+]
+
+
+def test_default_model_greedy_speculation_equals_plain_with_int8_activations():
+    """The shipped default (EAGLE-3 head + n-gram hybrid) on int8 activations: greedy output equals
+    plain decoding's on the same numerics at batch 1 and 4, with drafts accepted; the pool balances."""
+    from treespec.engine import Engine
+
+    params = {"temperature": 0, "max_new_tokens": 40}
+    plain = Engine(block_quant_activations="int8", speculative_algorithm="NONE")
+    want = [plain.generate(prompt=p, sampling_params=params)["output_ids"] for p in PROMPTS]
+    plain.shutdown()
+    spec = Engine(block_quant_activations="int8")
+    assert spec.server_args.speculative_algorithm == "EAGLE3"
+    assert [spec.generate(prompt=p, sampling_params=params)["output_ids"] for p in PROMPTS] == want
+    assert [r["output_ids"] for r in spec.generate(prompt=PROMPTS, sampling_params=params)] == want
+    spec.check_pool_balance()
+    stats = spec.get_stats()
+    assert stats["spec_emitted_tokens"] > stats["spec_verify_ct"]  # some drafts accepted
+    spec.shutdown()
