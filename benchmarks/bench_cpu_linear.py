@@ -3,7 +3,9 @@ Llama-family model, lm_head included) for several row counts, through our panel 
 prepacked layout and plain F.linear (MKL), interleaved in one run; with the panel kernel also its
 block-quant path over GGUF-style blocks of 32 weights with an fp16 scale and min: "panel_q4" with 4-bit
 codes two per byte (Q4_0/Q4_1, the default model's layers), "panel_q8" with 8-bit codes (Q8_0, its
-lm_head). TREESPEC_CPU_QUANT_ISA=avx2 runs the block-quant kernel's AVX2 code on an AVX-512 CPU.
+lm_head); and "panel_q4_int8" / "panel_q8_int8", the same blocks with int8 activations
+(`--block-quant-activations int8`). TREESPEC_CPU_QUANT_ISA=avx2 runs the block-quant kernels' AVX2
+code on an AVX-512 CPU.
 
     python benchmarks/bench_cpu_linear.py                         # SmolLM2-135M's shapes, fp32
     python benchmarks/bench_cpu_linear.py --rows 1,2,4,8 --json cpu_linear.json
@@ -25,6 +27,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from treespec.kernels import cpu_linear
 from treespec.models import weight_arena
 from treespec.models.block_quant import BLOCK, BlockQuant
 from treespec.models.packed_linear import onednn_packs, pack_weight, packed_linear, packing_layout
@@ -106,8 +109,12 @@ def main() -> None:
             packed = [pack_weight(q.dequantize(), "panel", q) for q in quants]
             weights[(out_f, in_f)][f"panel_q{bits}"] = [
                 replace(packed[i % len(packed)], data=packed[i % len(packed)].data.clone()) for i in range(quant_copies)]
+            # the same blocks with int8 activations (the kernel's ISA chosen as the engine chooses it)
+            weights[(out_f, in_f)][f"panel_q{bits}_int8"] = [
+                replace(w, activations="int8", avx512=cpu_linear.quant_int8_avx512())
+                for w in weights[(out_f, in_f)][f"panel_q{bits}"]]
     if "panel" in layouts:
-        layouts += ["panel_q4", "panel_q8"]
+        layouts += ["panel_q4", "panel_q8", "panel_q4_int8", "panel_q8_int8"]
 
     def call(way: str, x: torch.Tensor, weight) -> torch.Tensor:
         return F.linear(x, weight) if way == "mkl" else packed_linear(x, weight, None)

@@ -102,9 +102,9 @@ def test_row_without_visible_columns_is_zero(avx512: bool):
     assert torch.isfinite(out).all()
 
 
-def test_backend_uses_the_kernel_for_few_rows_and_agrees_with_sdpa():
-    """Decode, verify and draft-tree metadata go to the kernel (fp32 CPU), prefill-sized requests to
-    SDPA; both paths give the same attention."""
+def test_backend_uses_the_kernel_for_every_fp32_batch_and_agrees_with_sdpa():
+    """Decode, verify, draft-tree and prefill metadata all go to the kernel (fp32 CPU); without it SDPA
+    serves; both paths give the same attention."""
     k_buf, v_buf, g = random_pool(400, 3, 64, 3)
     with_kernel = TorchAttnBackend(torch.device("cpu"), torch.float32)
     sdpa = TorchAttnBackend(torch.device("cpu"))
@@ -117,8 +117,8 @@ def test_backend_uses_the_kernel_for_few_rows_and_agrees_with_sdpa():
                                  torch.cat([prefix_b, torch.tensor([303, 304, 305])])],
                         [torch.cat([torch.ones(3, 119, dtype=torch.bool), tree], 1),
                          torch.cat([torch.ones(3, 60, dtype=torch.bool), tree], 1)]), True),  # verify
-        (build_metadata([with_kernel.max_kernel_rows], [prefix_a]), True),  # the largest tree it takes
-        (build_metadata([with_kernel.max_kernel_rows + 1], [prefix_a]), False),  # a prefill chunk
+        (build_metadata([64], [prefix_a]), True),  # a large tree
+        (build_metadata([119, 60], [prefix_a, prefix_b]), True),  # prefill chunks
     ]
     for meta, expect_kernel in cases:
         q = torch.randn(int(meta.qo_indptr[-1]), 9, 64, generator=g)
@@ -172,7 +172,6 @@ def test_largest_default_tree_verifies_on_the_kernel_bit_for_bit(tmp_path, avx51
     this test fails)."""
     from model_factory import make_tiny_model
 
-    from treespec.attention.torch_backend import KERNEL_MAX_QUERY_ROWS, KERNEL_MAX_QUERY_ROWS_AVX512
     from treespec.forward_batch import ForwardBatch, ForwardMode
     from treespec.kernels import cpu_linear, cpu_norm
     from treespec.model_runner import ModelRunner
@@ -183,7 +182,6 @@ def test_largest_default_tree_verifies_on_the_kernel_bit_for_bit(tmp_path, avx51
                          kv_pool_size=128)
     backend = runner.attn_backend
     backend.avx512 = avx512
-    assert backend.max_kernel_rows == (KERNEL_MAX_QUERY_ROWS_AVX512 if avx512 else KERNEL_MAX_QUERY_ROWS) >= 27
     prefix = torch.arange(1, 8)
 
     def forward(mode, ids, positions, slots, kv, masks=None):
@@ -238,3 +236,38 @@ def test_rope_store_matches_apply_rope_and_set_kv():
     assert not k_buf[untouched].any() and not v_buf[untouched].any()
     with pytest.raises(RuntimeError, match="slot out of range"):
         kernel.rope_store(qkv, cos, sin, torch.tensor([7, 2, 12]), k_buf, v_buf, heads)
+
+
+@pytest.mark.parametrize("avx512", ISAS)
+def test_prefill_rows_do_not_depend_on_the_batch_or_the_cache(tmp_path, avx512: bool):
+    """A prompt's last-row logits are the same bits prefilled alone (90 rows), beside a 100-row prompt
+    in one batch, and in two chunks (a prefix-cache hit of 30 tokens, then 60 rows): the prefill, like
+    decode and verify, runs the kernel row by row (a long request used to send the whole batch to SDPA,
+    which gives other bits; this test failed then)."""
+    from model_factory import make_tiny_model
+
+    from treespec.forward_batch import ForwardBatch, ForwardMode
+    from treespec.kernels import cpu_linear, cpu_norm
+    from treespec.model_runner import ModelRunner
+
+    if cpu_linear.load() is None or cpu_norm.load() is None:
+        pytest.skip("the panel and norm kernels are needed for a batch-invariant forward")
+    runner = ModelRunner(make_tiny_model("llama", tmp_path / "llama"), torch.float32, torch.device("cpu"),
+                         kv_pool_size=512)
+    runner.attn_backend.avx512 = avx512
+    g = torch.Generator().manual_seed(7)
+    prompt_a, prompt_b = torch.randint(3, 250, (90,), generator=g), torch.randint(3, 250, (100,), generator=g)
+
+    def prefill(chunks):  # chunks: (ids, first position, first slot) per request, one batch
+        slots = [torch.arange(slot - pos, slot + len(ids)) for ids, pos, slot in chunks]
+        batch = ForwardBatch(mode=ForwardMode.EXTEND, input_ids=torch.cat([ids for ids, _, _ in chunks]),
+                             positions=torch.cat([torch.arange(pos, pos + len(ids)) for ids, pos, _ in chunks]),
+                             out_cache_loc=torch.cat([s[-len(ids):] for s, (ids, _, _) in zip(slots, chunks, strict=True)]),
+                             attn=build_metadata([len(ids) for ids, _, _ in chunks], slots))
+        batch.logits_indices = torch.cumsum(torch.tensor([len(ids) for ids, _, _ in chunks]), 0) - 1
+        return runner.forward(batch).logits
+
+    alone = prefill([(prompt_a, 0, 1)])[0]
+    assert torch.equal(prefill([(prompt_b, 0, 200), (prompt_a, 0, 1)])[1], alone)
+    prefill([(prompt_a[:30], 0, 1)])
+    assert torch.equal(prefill([(prompt_a[30:], 30, 31)])[0], alone)

@@ -1,10 +1,13 @@
 """CPU / reference attention backend: reads FlashInfer-format metadata and computes attention.
 
-Everything that depends only on the metadata (gather indices, masks) is built once per forward in
-`init_forward_metadata`; each layer then does one gather and one scaled_dot_product_attention. fp32
-batches whose requests have at most KERNEL_MAX_QUERY_ROWS (AVX2) or KERNEL_MAX_QUERY_ROWS_AVX512 query
-rows (decode, tree verify, draft steps) go to the C++ kernel `kernels/cpu_attention.cpp` instead, which reads the pool and the packed
-mask in place and computes each row alone, so a verify row matches the decode of its token bit for bit.
+Every fp32 CPU forward (decode, tree verify, draft steps and prefill) goes to the C++ kernel
+`kernels/cpu_attention.cpp`, which reads the pool and the packed mask in place and computes each row
+alone: a row's result depends only on its query and the KV it sees, never on the other rows of the
+batch, so a verify row matches the decode of its token bit for bit, and a prompt's KV is the same
+whether it was prefilled alone, beside other requests or after a prefix-cache hit. Elsewhere (no
+kernel, other dtypes, CUDA without FlashInfer) everything that depends only on the metadata (gather
+indices, masks) is built once per forward in `init_forward_metadata`; each layer then does one gather
+and one scaled_dot_product_attention.
 """
 
 from __future__ import annotations
@@ -29,13 +32,13 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     with sdpa_kernel(SDPA_BACKENDS):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
-# Query rows per request that go to the kernel. A whole verify forward of the default model at 250 cached
-# tokens (docs/cpu_kernels.md): with the AVX2 code (each row and head alone) the kernel and the C++ layer
-# stack beat SDPA and the Python layer loop up to ~32 rows (9 rows 19 vs 24 ms, 32 rows 57 vs 55); the
-# AVX-512 code (a KV head's queries share K and V reads) up to 64 (64 rows 95 vs 99 ms). So every tree
-# a verify builds with the default settings stays on the kernel, where a row equals its path's decode.
-KERNEL_MAX_QUERY_ROWS = 32
-KERNEL_MAX_QUERY_ROWS_AVX512 = 64
+# Every fp32 CPU batch goes to the kernel, prefill chunks included. Until 2026-11-26 requests of more
+# than 32 (AVX2) / 64 (AVX-512) query rows took SDPA, and a batch with one such request took SDPA for
+# all: a request's prefill then computed other bits beside a long prompt than alone (1e-5 in fp32, but
+# enough to flip a greedy near-tie, and with int8 activations often: plain outputs changed with the
+# batch). Measured prefill of the default model on the Intel host (fp32, ms, SDPA -> kernel): 70 tokens
+# 100 -> 95, 136 tokens 190 -> 179, 512 tokens 769 -> 792, 2048 tokens 4581 -> 4461; with the AVX2
+# code (per row and head) 2048 tokens take 7391 (docs/cpu_kernels.md).
 
 
 def request_masks(meta: AttentionMetadata) -> list[torch.Tensor | None]:
@@ -66,17 +69,9 @@ class TorchAttnBackend:
         self.avx512 = self.kernel is not None and cpu_attention.use_avx512()
         self.kernel_args: tuple | None = None
 
-    @property
-    def max_kernel_rows(self) -> int:
-        """Query rows per request the kernel takes with the code this backend runs."""
-        return KERNEL_MAX_QUERY_ROWS_AVX512 if self.avx512 else KERNEL_MAX_QUERY_ROWS
-
     def init_forward_metadata(self, meta: AttentionMetadata) -> None:
-        qo = meta.qo_indptr.tolist()
-        kv = meta.kv_indptr.tolist()
-        bs = len(qo) - 1
         self.kernel_args = None
-        if self.kernel is not None and bs > 0 and max(qo[b + 1] - qo[b] for b in range(bs)) <= self.max_kernel_rows:
+        if self.kernel is not None and meta.qo_indptr.numel() > 1:
             masked = meta.custom_mask is not None
             self.kernel_args = (
                 meta.qo_indptr.to(torch.int64), meta.kv_indptr.to(torch.int64),
@@ -85,6 +80,9 @@ class TorchAttnBackend:
                 meta.mask_indptr.to(torch.int64) if masked else cpu_attention.EMPTY_INDPTR,
             )
             return
+        qo = meta.qo_indptr.tolist()
+        kv = meta.kv_indptr.tolist()
+        bs = len(qo) - 1
         self.bs = bs
         self.num_tokens = qo[-1]
         self._tiled = None

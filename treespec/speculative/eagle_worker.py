@@ -16,7 +16,8 @@ draft model and its per-request state. One step is:
      else changes.
   2. The Scheduler commits the result (stop rules, req_to_token, kv_len, surplus slots freed).
   3. `draft_extend(reqs, result, committed)`: records acceptance and defers the draft over the committed
-     tokens; `catch_up` runs it (with any plain steps' rows) before the request next drafts.
+     tokens; `catch_up` runs it (with any plain steps' rows) before the request next drafts with the
+     head (steps whose trees hold n-gram nodes alone need no draft forward).
 
 Plain steps (the schedule's choice above some batch size, or too little free KV) run the target alone,
 as a plain server would: `defer_extend` keeps each new token's target features, and the draft extend
@@ -362,7 +363,6 @@ class EagleWorker:
     def decode_step(self, reqs: list[Req], shape: SpecShape) -> SpecStepResult:
         """Draft a tree of `shape` per request (num_steps 0: the root alone, a plain step) and verify
         it. The Scheduler sized `shape` against the free KV slots; this only allocates what it needs."""
-        self.catch_up(reqs)  # the draft KV of plain steps since the last speculative one
         kv_lens = [r.kv_len for r in reqs]
         prefix_slots = [self.req_to_token_pool.read(r.req_pool_idx, 0, k) for r, k in zip(reqs, kv_lens, strict=True)]
         roots = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=self.device)
@@ -370,6 +370,9 @@ class EagleWorker:
         for req, offered in zip(reqs, head, strict=True):
             self.head_offered[req.rid] = offered
         if any(head):
+            # the draft KV of the steps since each request last drafted with the head; a request whose
+            # tree has no head nodes this step (n-gram nodes only) keeps its rows deferred
+            self.catch_up(reqs)
             tree = self._draft_tree(reqs, kv_lens, prefix_slots, roots, shape.num_steps, shape.topk,
                                     shape.num_draft_tokens)
         else:  # no request wants head drafts this step: no draft forwards
