@@ -54,7 +54,7 @@ from treespec.speculative.expansion import (
     select_top_k_tokens,
 )
 from treespec.speculative.hybrid import HYBRID_MIN_MATCH, hybrid_ngram_config, merge_drafts, tree_parents
-from treespec.speculative.ngram_cache import NgramCache
+from treespec.speculative.ngram_cache import NgramCache, TextCursor
 from treespec.speculative.ngram_worker import ngram_config
 from treespec.speculative.shapes import SpecSchedule, SpecShape
 from treespec.speculative.step_result import SpecStepResult, verify_tree_step
@@ -112,10 +112,10 @@ class EagleWorker:
         self.ngram = NgramCache(hybrid_ngram_config(ngram_config(args))) if self.hybrid_ngram_tokens else None
         # rid -> (n-gram node budget, n-gram nodes in this step's tree): per-request adaptivity
         self.ngram_budget: dict[str, tuple[int, int]] = {}
-        # rid -> tokens of its text already in the n-gram cache. Text goes in lazily, when the request
-        # speculates (and the rest when it leaves, if it ever speculated): a plain step or a prefill
-        # under load pays nothing for the hybrid (an insert costs ~65 us per token in Python).
-        self.ngram_inserted: dict[str, int] = {}
+        # rid -> where its text stands in the n-gram cache (TextCursor: tokens inserted, suffix nodes).
+        # Text goes in lazily, when the request speculates (and the rest when it leaves, if it ever
+        # speculated): a plain step or a prefill under load pays nothing for the hybrid.
+        self.ngram_text: dict[str, TextCursor] = {}
         # rid -> its measured head acceptance, and whether this step's tree has its head nodes
         # (speculative/adaptivity.py)
         self.head_records: dict[str, HeadRecord] = {}
@@ -316,15 +316,16 @@ class EagleWorker:
         self.ngram_budget.pop(req.rid, None)
         self.head_records.pop(req.rid, None)
         self.head_offered.pop(req.rid, None)
-        done = self.ngram_inserted.pop(req.rid, 0)
-        if done and len(req.all_ids) > done:  # a request that speculated leaves the rest of its text too
-            self.ngram.insert(req.all_ids, len(req.all_ids) - done)
+        cursor = self.ngram_text.pop(req.rid, None)
+        if cursor is not None and len(req.all_ids) > cursor.length:  # a request that speculated leaves the rest too
+            self.ngram.insert(req.all_ids, len(req.all_ids) - cursor.length, cursor)
 
     def flush(self) -> None:
         """`/flush_cache` with no request in flight: forget past requests' text (the n-gram corpus) and
         the parked draft rows, whose KV slots the radix cache reset just freed."""
         if self.ngram is not None:
             self.ngram = NgramCache(self.ngram.config)
+        self.ngram_text.clear()  # cursors into the old cache
         self.parked.clear()
 
     # ------------------------------------------------------------------ drafting
@@ -406,10 +407,9 @@ class EagleWorker:
         """Put each request's text since it last asked for drafts into the n-gram cache (its prompt, the
         first time)."""
         for req in reqs:
-            done = self.ngram_inserted.get(req.rid, 0)
-            if len(req.all_ids) > done:
-                self.ngram.insert(req.all_ids, len(req.all_ids) - done if done else None)
-                self.ngram_inserted[req.rid] = len(req.all_ids)
+            cursor = self.ngram_text.setdefault(req.rid, TextCursor())
+            if len(req.all_ids) > cursor.length:
+                self.ngram.insert(req.all_ids, len(req.all_ids) - cursor.length if cursor.length else None, cursor)
 
     def _ngram_drafts(self, reqs: list[Req]) -> list:
         """The hybrid's n-gram drafts, each within its request's budget (its text inserted first)."""

@@ -6,10 +6,13 @@ inserted text; a node's `count` is how many times its n-gram occurred (each occu
 when the token that ends it is inserted). Children are a dict token -> node, created on demand.
 
 Capacity and eviction. At most `capacity` nodes (the root not counted). Recency is kept in one
-OrderedDict, oldest first; touching a node (inserting through it, matching or drafting it) moves it
-and then each of its ancestors to the end, so every node stands after all its descendants and the
-oldest node is always a leaf. Eviction pops the oldest node: the least recently used branches go first,
-from their tips inward, in O(1) per node.
+OrderedDict, oldest first. Inserting from the root, matching or drafting touches a node and then each
+of its ancestors (moved to the end deepest first); a request's later tokens extend its text through a
+`TextCursor` instead, which touches only the n-grams that end at the new token (the nodes whose count
+changes): ~branch_length dict operations a token instead of ~branch_length^2 / 2. So an ancestor can
+be older than a descendant. Eviction pops the oldest node; a node that still has children goes back to
+the end (as if used now: a descendant was, after it) and the next oldest is tried, so only leaves are
+evicted and the least recently used branches go first, from their tips inward.
 
 Drafting. `draft(context, max_drafts)` finds the longest suffix of `context` whose length is within
 the match window and that is in the trie with a continuation, then expands the continuations
@@ -48,6 +51,18 @@ class NgramDraft:
     match_length: int  # tokens of context matched (0: no match, no drafts)
 
 
+class TextCursor:
+    """Where one request's text stands in the cache: how many of its tokens were inserted, and the nodes
+    of that text's last suffixes (lengths 1 .. branch_length - 1, shortest first), which the next
+    insert extends by its new tokens instead of walking every n-gram from the root."""
+
+    __slots__ = ("length", "suffixes")
+
+    def __init__(self) -> None:
+        self.length = 0
+        self.suffixes: list[_Node] = []
+
+
 class _Node:
     __slots__ = ("token", "count", "tick", "parent", "children")
 
@@ -70,12 +85,25 @@ class NgramCache:
         return len(self._recency)
 
     # ------------------------------------------------------------------ insert
-    def insert(self, tokens: Sequence[int], num_new: int | None = None) -> None:
+    def insert(self, tokens: Sequence[int], num_new: int | None = None, cursor: TextCursor | None = None) -> None:
         """Add the n-gram occurrences that end at the last `num_new` tokens of `tokens` (all of them when
-        None); earlier tokens only give those n-grams their beginnings. Evicts down to capacity."""
+        None); earlier tokens only give those n-grams their beginnings. With a request's `cursor` (updated
+        here) that stands where the new tokens start, they extend its suffixes (module doc). Evicts down to
+        capacity."""
         length = len(tokens)
         first_new = 0 if num_new is None else max(0, length - num_new)
+        if (cursor is not None and first_new > 0 and cursor.length == first_new
+                and all(node.parent is not None for node in cursor.suffixes)):  # none evicted
+            self._extend(tokens, first_new, cursor)
+        else:
+            self._insert_from_root(tokens, first_new, cursor)
+        self._evict()
+
+    def _insert_from_root(self, tokens: Sequence[int], first_new: int, cursor: TextCursor | None) -> None:
+        """Every n-gram that ends at a new token, walked from the root, each path touched deepest first."""
+        length = len(tokens)
         depth_limit = self.config.branch_length
+        suffixes: list[_Node] = []  # nodes of tokens[start:], start descending: shortest first
         recency, move_to_end = self._recency, self._recency.move_to_end  # local names: the hot loop
         for start in range(max(0, first_new - depth_limit + 1), length):
             self._clock += 1  # later occurrences are more recent, also within one call
@@ -97,13 +125,44 @@ class NgramCache:
             for touched in reversed(path):  # deepest first: ancestors end up newer than descendants
                 touched.tick = clock
                 move_to_end(touched)
-        self._evict()
+            if length - start < depth_limit:  # the walk reached the end: a suffix the cursor extends
+                suffixes.append(node)
+        if cursor is not None:
+            cursor.length, cursor.suffixes = length, suffixes[::-1]
+
+    def _extend(self, tokens: Sequence[int], first_new: int, cursor: TextCursor) -> None:
+        """The new tokens one by one: each extends the empty suffix and every suffix of the cursor, the
+        same n-grams `_insert_from_root` would count, touching only those nodes."""
+        longest = self.config.branch_length - 1  # suffixes kept: one token shorter than an n-gram
+        recency, move_to_end = self._recency, self._recency.move_to_end
+        for j in range(first_new, len(tokens)):
+            token = tokens[j]
+            self._clock += 1
+            clock = self._clock
+            extended: list[_Node] = []
+            for node in (self.root, *cursor.suffixes):
+                children = node.children
+                child = children.get(token) if children else None
+                if child is None:
+                    child = _Node(token, node)
+                    if children is None:
+                        children = node.children = {}
+                    children[token] = child
+                    recency[child] = None
+                child.count += 1
+                child.tick = clock
+                move_to_end(child)
+                if len(extended) < longest:
+                    extended.append(child)
+            cursor.suffixes = extended
+        cursor.length = len(tokens)
 
     def _evict(self) -> None:
         while len(self._recency) > self.config.capacity:
             node, _ = self._recency.popitem(last=False)
-            if node.children:  # the order invariant (module doc) makes this impossible
-                raise RuntimeError("ngram cache: the least recently used node is not a leaf")
+            if node.children:  # a descendant was used after it: keep it, as if used now (module doc)
+                self._recency[node] = None
+                continue
             parent = node.parent
             del parent.children[node.token]
             if not parent.children:

@@ -23,7 +23,7 @@ from treespec.mem.allocator import TokenToKVPoolAllocator
 from treespec.mem.req_to_token import ReqToTokenPool
 from treespec.model_runner import ModelRunner
 from treespec.request import Req
-from treespec.speculative.ngram_cache import NgramCache, NgramConfig
+from treespec.speculative.ngram_cache import NgramCache, NgramConfig, TextCursor
 from treespec.speculative.shapes import SpecSchedule, SpecShape
 from treespec.speculative.step_result import SpecStepResult, verify_tree_step
 from treespec.speculative.tree import tree_from_parents
@@ -54,6 +54,7 @@ class NgramWorker:
         # chain when KV is short) hands this worker a smaller budget.
         self.schedule = SpecSchedule.constant(ndraft - 1, 1, ndraft)
         self.cache = NgramCache(ngram_config(args))
+        self.text: dict[str, TextCursor] = {}  # rid -> where its text stands in the cache (cheap inserts)
         self.target = target_runner
         self.req_to_token_pool, self.allocator = req_to_token_pool, allocator
         self.device = target_runner.device
@@ -62,28 +63,30 @@ class NgramWorker:
         """Insert the text of every request whose prefill completed (prompt + the first sampled token)."""
         for req in reqs:
             if req.kv_len == req.seq_len - 1:
-                self.cache.insert(req.all_ids)
+                self.cache.insert(req.all_ids, None, self.text.setdefault(req.rid, TextCursor()))
 
     def draft_extend(self, reqs: list[Req], result: SpecStepResult, committed: list[int]) -> None:
         """Insert each request's committed tokens (finished requests too: their text helps others)."""
         for req, num_new in zip(reqs, committed, strict=True):
-            self.cache.insert(req.all_ids, num_new)
+            self.cache.insert(req.all_ids, num_new, self.text.get(req.rid))
 
     def defer_extend(self, reqs: list[Req], tokens: list[int], batch: ForwardBatch, output: ModelOutput) -> None:
         """A plain step's tokens go into the cache at once (no draft model, nothing to defer)."""
         for req in reqs:
-            self.cache.insert(req.all_ids, 1)
+            self.cache.insert(req.all_ids, 1, self.text.get(req.rid))
 
     def wants_drafts(self, reqs: list[Req]) -> bool:
         """Whether any request has a draft this step (else the Scheduler runs a plain step)."""
         return any(self.cache.has_match(r.all_ids, 0) for r in reqs)
 
     def release(self, req: Req, keep_draft_kv: bool) -> None:
-        """Nothing per request to forget: the cache keeps every request's text."""
+        """Forget the request's cursor; the cache keeps its text."""
+        self.text.pop(req.rid, None)
 
     def flush(self) -> None:
         """Forget every request's text (`/flush_cache`, with no request in flight)."""
         self.cache = NgramCache(self.cache.config)
+        self.text.clear()
 
     def _draft(self, req: Req, max_drafts: int) -> tuple[list[int], list[int]]:
         """(tokens, parents) of one request's drafts. A constrained request asks the cache for twice its

@@ -21,15 +21,14 @@ def cache_with(*texts: list[int], **config) -> NgramCache:
 
 def ngram_counts(cache: NgramCache) -> dict[tuple[int, ...], int]:
     """Every stored n-gram with its count, and the structure checked on the way: one recency entry per
-    node, every node after all its descendants in recency order (so the oldest is a leaf)."""
+    node, each node its parent's child (cursor inserts touch only the n-grams they count, so a parent may
+    be older than its child: eviction skips such interior nodes)."""
     order = {node: i for i, node in enumerate(cache._recency)}
     counts, stack = {}, [(cache.root, ())]
     while stack:
         node, path = stack.pop()
         for token, child in (node.children or {}).items():
             assert child.parent is node and child.token == token
-            if node is not cache.root:
-                assert order[child] < order[node], "a node must be older than its parent"
             counts[path + (token,)] = child.count
             stack.append((child, path + (token,)))
     assert len(counts) == len(cache) == len(order)
@@ -99,7 +98,7 @@ def test_capacity_is_never_exceeded_and_the_structure_stays_sound():
         cache.insert(text, rng.randrange(1, len(text) + 1))
         cache.draft(text[: rng.randrange(1, len(text) + 1)], rng.randrange(0, 9))
         assert len(cache) <= 200
-    ngram_counts(cache)  # recency entries and trie agree; every node older than its parent
+    ngram_counts(cache)  # recency entries and trie agree
 
 
 def test_least_recently_used_branches_are_evicted_first():
@@ -118,3 +117,51 @@ def test_least_recently_used_branches_are_evicted_first():
     cache.insert(third)
     assert cache.draft([1, 2], 4).tokens == [3]
     assert (1, 2, 3) in ngram_counts(cache) and (11, 12, 13) not in ngram_counts(cache)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=60), st.lists(st.integers(1, 7), min_size=1, max_size=12),
+       st.integers(2, 7))
+def test_cursor_inserts_count_like_inserts_from_the_root(text, steps, branch_length):
+    """A request's tokens added through its cursor (a few at a time, as speculative steps commit them)
+    store the same n-grams with the same counts as inserting from the root; the cursor's suffixes are
+    the nodes of the text's last 1 .. branch_length - 1 tokens."""
+    from treespec.speculative.ngram_cache import TextCursor
+
+    cursor, by_cursor = TextCursor(), NgramCache(NgramConfig(branch_length=branch_length))
+    by_root = NgramCache(NgramConfig(branch_length=branch_length))
+    done = 0
+    for step in steps + [len(text)]:
+        end = min(len(text), done + step)
+        if end > done:
+            by_cursor.insert(text[:end], end - done if done else None, cursor)
+            by_root.insert(text[:end], end - done if done else None)
+            done = end
+    assert cursor.length == len(text)
+    assert ngram_counts(by_cursor) == ngram_counts(by_root)
+    for length, node in enumerate(cursor.suffixes, start=1):
+        path = []
+        while node is not by_cursor.root:
+            path.append(node.token)
+            node = node.parent
+        assert path[::-1] == text[len(text) - length :]
+    assert len(cursor.suffixes) == min(len(text), branch_length - 1)
+
+
+def test_cursor_survives_eviction_by_walking_from_the_root():
+    """When eviction took a node the cursor holds, the next insert walks from the root: the counts stay
+    right and the bound holds."""
+    from treespec.speculative.ngram_cache import TextCursor
+
+    rng = random.Random(3)
+    cache = NgramCache(NgramConfig(capacity=40, branch_length=4))
+    cursor, text = TextCursor(), [rng.randrange(20) for _ in range(10)]
+    cache.insert(text, None, cursor)
+    for _ in range(30):
+        cache.insert([rng.randrange(20, 40) for _ in range(12)])  # other requests' text evicts ours
+        text.append(rng.randrange(20))
+        cache.insert(text, 1, cursor)
+        assert len(cache) <= 40 and cursor.length == len(text)
+        assert all(node.parent is not None for node in cursor.suffixes)
+    counts = ngram_counts(cache)
+    assert counts[tuple(text[-3:])] >= 1  # the newest n-grams of our text are in
