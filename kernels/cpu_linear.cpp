@@ -169,6 +169,21 @@ constexpr int64_t kQuantHeader = kGroupPanels * kPanel * 2 * 2;  // per group an
 constexpr int kQuantChains = 4;  // panels per chunk, rows per verify tile
 constexpr int kFloatTwo23Bits = 0x4B000000;  // 2^23 as fp32: ORing an integer below 2^23 into it adds it
 constexpr float kFloatTwo23 = 8388608.0f;
+// A block-quant tile's epilogue: its ROWS x PANELS spilled 16-column accumulators `out` into y (row
+// stride ldy), plus the bias, the columns past `cols_left` (the weight's padding) left out.
+template <int ROWS, int PANELS>
+static inline void write_tile(const float (*out)[kPanel], float* y, int64_t ldy, const float* bias, int64_t cols_left) {
+  for (int m = 0; m < ROWS; ++m) {
+    for (int j = 0; j < PANELS; ++j) {
+      const int64_t cols = std::min(kPanel, cols_left - j * kPanel);
+      const float* bj = bias ? bias + j * kPanel : nullptr;
+      const float* o = out[m * PANELS + j];
+      float* yr = y + m * ldy + j * kPanel;
+      for (int64_t c = 0; c < cols; ++c) yr[c] = bj ? o[c] + bj[c] : o[c];
+    }
+  }
+}
+
 // Software prefetch of a tile's code stream this many blocks (~2.5 KB at 4 bits) ahead: on an Intel
 // host (Sapphire Rapids) the hardware prefetcher alone left a 1-row decode at ~10 GB/s of a ~28 GB/s
 // memory, and this took a step's matmuls 7.7 -> 6.0 ms; on Zen 4 it measured neutral. The prefetch runs
@@ -419,22 +434,30 @@ bool cpu_has_avx512() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
 
-// packed: pack_quant's output. avx512: run the AVX-512 code (only where cpu_has_avx512); the AVX2 code
-// otherwise. Both give the same bits.
-torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n,
-                           bool avx512) {
+// The checks both block-quant matmuls make on their arguments (`name` in the messages); returns the
+// codes' bits (4 or 8).
+static int64_t check_quant_args(const char* name, const torch::Tensor& x, const torch::Tensor& packed,
+                                const c10::optional<torch::Tensor>& bias, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
-              "linear_quant: expected a contiguous 2-D fp32 input");
+              name, ": expected a contiguous 2-D fp32 input");
   const int64_t block_bytes = packed.dim() == 3 ? packed.size(2) : -1;
   const int64_t bits = block_bytes == quant_block_bytes(4) ? 4 : block_bytes == quant_block_bytes(8) ? 8 : 0;
   TORCH_CHECK(bits && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
               packed.size(1) * kQuantBlock == x.size(1) && packed.size(0) * kGroupCols >= n &&
               (packed.size(0) - 1) * kGroupCols < n,
-              "linear_quant: packed weight does not match the input or n");
-  TORCH_CHECK(!avx512 || cpu_has_avx512(), "linear_quant: this CPU has no AVX-512");
+              name, ": packed weight does not match the input or n");
   if (bias.has_value())
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == torch::kFloat32,
-                "linear_quant: bias must be contiguous fp32 of size n");
+                name, ": bias must be contiguous fp32 of size n");
+  return bits;
+}
+
+// packed: pack_quant's output. avx512: run the AVX-512 code (only where cpu_has_avx512); the AVX2 code
+// otherwise. Both give the same bits.
+torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n,
+                           bool avx512) {
+  const int64_t bits = check_quant_args("linear_quant", x, packed, bias, n), block_bytes = packed.size(2);
+  TORCH_CHECK(!avx512 || cpu_has_avx512(), "linear_quant: this CPU has no AVX-512");
   const int64_t rows = x.size(0), k_dim = x.size(1), panels = (n + kPanel - 1) / kPanel;
   auto out = torch::empty({rows, n}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -473,18 +496,8 @@ bool cpu_has_avx512_vnni() { return cpu_has_avx512() && __builtin_cpu_supports("
 // the AVX2 code otherwise. Both give the same bits, and a row's result does not depend on the others.
 torch::Tensor linear_quant_int8(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n,
                                 bool avx512) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
-              "linear_quant_int8: expected a contiguous 2-D fp32 input");
-  const int64_t block_bytes = packed.dim() == 3 ? packed.size(2) : -1;
-  const int64_t bits = block_bytes == quant_block_bytes(4) ? 4 : block_bytes == quant_block_bytes(8) ? 8 : 0;
-  TORCH_CHECK(bits && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
-              packed.size(1) * kQuantBlock == x.size(1) && packed.size(0) * kGroupCols >= n &&
-              (packed.size(0) - 1) * kGroupCols < n,
-              "linear_quant_int8: packed weight does not match the input or n");
+  const int64_t bits = check_quant_args("linear_quant_int8", x, packed, bias, n), block_bytes = packed.size(2);
   TORCH_CHECK(!avx512 || cpu_has_avx512_vnni(), "linear_quant_int8: this CPU has no AVX-512 VNNI");
-  if (bias.has_value())
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == torch::kFloat32,
-                "linear_quant_int8: bias must be contiguous fp32 of size n");
   const int64_t rows = x.size(0), k_dim = x.size(1), blocks = k_dim / kQuantBlock;
   auto out = torch::empty({rows, n}, x.options());
   auto q = torch::empty({rows, k_dim}, x.options().dtype(torch::kInt8));

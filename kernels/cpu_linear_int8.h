@@ -67,6 +67,13 @@ static void quantize_rows(const float* x, int64_t rows, int64_t k_dim, int64_t b
   }
 }
 
+// 4 int8 q as one 32-bit word, for a broadcast to every lane
+static inline int32_t quad(const int8_t* q) {
+  int32_t word;
+  std::memcpy(&word, q, 4);
+  return word;
+}
+
 // The int8 tiles for one ISA: cpu_linear_int8_tiles.h, included into each namespace below after its
 // vector types and ops (the same pattern as cpu_linear_quant.h).
 
@@ -105,11 +112,7 @@ static inline Dot dot_zero() {
   const __m256i z = _mm256_setzero_si256();
   return {z, z, z, z};
 }
-static inline __m256i bq(const int8_t* q) {
-  int32_t word;
-  std::memcpy(&word, q, 4);
-  return _mm256_set1_epi32(word);
-}
+static inline __m256i bq(const int8_t* q) { return _mm256_set1_epi32(quad(q)); }
 template <int BITS>
 static inline void dot_add(Dot& dot, VI w, const int8_t* q, int) {
   const __m256i nib = _mm256_set1_epi32(0x0F0F0F0F);
@@ -165,11 +168,7 @@ static inline V vhalf(const uint8_t* p) {
 static inline void vstore(float* p, V v) { _mm512_store_ps(p, v.v); }
 static inline VI vwords(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
 static inline Dot dot_zero() { return {_mm512_setzero_si512()}; }
-static inline __m512i bq(const int8_t* q) {
-  int32_t word;
-  std::memcpy(&word, q, 4);
-  return _mm512_set1_epi32(word);
-}
+static inline __m512i bq(const int8_t* q) { return _mm512_set1_epi32(quad(q)); }
 template <int BITS>
 static inline void dot_add(Dot& dot, VI w, const int8_t* q, int) {
   if constexpr (BITS == 4) {  // low nibbles: k 0, 2, 4, 6 (q[0..3]); high nibbles: k 1, 3, 5, 7 (q[4..7])

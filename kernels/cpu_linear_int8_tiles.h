@@ -61,15 +61,7 @@ static inline void tile(const int8_t* q, const float* xd, const float* xs, int64
   alignas(64) float out[ROWS * PANELS][kPanel];
 #pragma GCC unroll 16
   for (int a = 0; a < ROWS * PANELS; ++a) vstore(out[a], acc[a]);
-  for (int m = 0; m < ROWS; ++m) {
-    for (int j = 0; j < PANELS; ++j) {
-      const int64_t cols = std::min(kPanel, cols_left - j * kPanel);
-      const float* bj = bias ? bias + j * kPanel : nullptr;
-      const float* o = out[m * PANELS + j];
-      float* yr = y + m * ldy + j * kPanel;
-      for (int64_t c = 0; c < cols; ++c) yr[c] = bj ? o[c] + bj[c] : o[c];
-    }
-  }
+  write_tile<ROWS, PANELS>(out, y, ldy, bias, cols_left);
 }
 
 // All rows against the groups [g0, g1), one group (two panels, one contiguous code stream) at a time:

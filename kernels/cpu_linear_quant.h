@@ -106,15 +106,7 @@ static inline void tile(const float* x, int64_t k_dim, const uint8_t* data, int6
   alignas(64) float out[ROWS * PANELS][kPanel];
 #pragma GCC unroll 16
   for (int a = 0; a < ROWS * PANELS; ++a) vstore(out[a], acc[a]);
-  for (int m = 0; m < ROWS; ++m) {
-    for (int j = 0; j < PANELS; ++j) {
-      const int64_t cols = std::min(kPanel, cols_left - j * kPanel);
-      const float* bj = bias ? bias + j * kPanel : nullptr;
-      const float* o = out[m * PANELS + j];
-      float* yr = y + m * ldy + j * kPanel;
-      for (int64_t c = 0; c < cols; ++c) yr[c] = bj ? o[c] + bj[c] : o[c];
-    }
-  }
+  write_tile<ROWS, PANELS>(out, y, ldy, bias, cols_left);
 }
 
 // ROWS rows against panels [begin, end): PANELS at a time, then one by one.

@@ -104,20 +104,12 @@ class NgramCache:
         length = len(tokens)
         depth_limit = self.config.branch_length
         suffixes: list[_Node] = []  # nodes of tokens[start:], start descending: shortest first
-        recency, move_to_end = self._recency, self._recency.move_to_end  # local names: the hot loop
+        move_to_end = self._recency.move_to_end  # a local name: the hot loop
         for start in range(max(0, first_new - depth_limit + 1), length):
             self._clock += 1  # later occurrences are more recent, also within one call
             clock, node, path = self._clock, self.root, []
             for j in range(start, min(start + depth_limit, length)):
-                token = tokens[j]
-                children = node.children
-                child = children.get(token) if children else None
-                if child is None:
-                    child = _Node(token, node)
-                    if children is None:
-                        children = node.children = {}
-                    children[token] = child
-                    recency[child] = None
+                child = self._child(node, tokens[j])
                 if j >= first_new:
                     child.count += 1
                 path.append(child)
@@ -134,21 +126,14 @@ class NgramCache:
         """The new tokens one by one: each extends the empty suffix and every suffix of the cursor, the
         same n-grams `_insert_from_root` would count, touching only those nodes."""
         longest = self.config.branch_length - 1  # suffixes kept: one token shorter than an n-gram
-        recency, move_to_end = self._recency, self._recency.move_to_end
+        move_to_end = self._recency.move_to_end
         for j in range(first_new, len(tokens)):
             token = tokens[j]
             self._clock += 1
             clock = self._clock
             extended: list[_Node] = []
             for node in (self.root, *cursor.suffixes):
-                children = node.children
-                child = children.get(token) if children else None
-                if child is None:
-                    child = _Node(token, node)
-                    if children is None:
-                        children = node.children = {}
-                    children[token] = child
-                    recency[child] = None
+                child = self._child(node, token)
                 child.count += 1
                 child.tick = clock
                 move_to_end(child)
@@ -156,6 +141,18 @@ class NgramCache:
                     extended.append(child)
             cursor.suffixes = extended
         cursor.length = len(tokens)
+
+    def _child(self, node: _Node, token: int) -> _Node:
+        """`node`'s child for `token`, created (and entered as the newest) if missing."""
+        children = node.children
+        child = children.get(token) if children else None
+        if child is None:
+            child = _Node(token, node)
+            if children is None:
+                children = node.children = {}
+            children[token] = child
+            self._recency[child] = None
+        return child
 
     def _evict(self) -> None:
         while len(self._recency) > self.config.capacity:
