@@ -190,7 +190,7 @@ class EagleWorker:
     def defer_extend(self, reqs: list[Req], tokens: list[int], batch: ForwardBatch, output: ModelOutput) -> None:
         """A plain decode step ran the target alone (with the capture layers): keep what the draft extend
         over its tokens needs and run it later, batched."""
-        feats = self._draft_features(output)
+        feats = self._draft_features(output).unbind(0)  # one call for every row's view
         positions, slots = batch.positions.tolist(), batch.out_cache_loc.tolist()
         for req in reqs:
             # a plain step counts toward the next probe of a request whose head drafts were turned off
@@ -207,12 +207,13 @@ class EagleWorker:
         running = [r for r in reqs if not r.finished]
         due = {r.rid for r in running if len(self.deferred[r.rid]) >= MAX_DRAFT_LAG}
         total = sum(len(x) for rid, x in self.deferred.items() if rid not in due)
-        for req in sorted(running, key=lambda r: len(self.deferred[r.rid]), reverse=True):
-            if total <= MAX_DEFERRED_ROWS:
-                break
-            if req.rid not in due:
-                due.add(req.rid)
-                total -= len(self.deferred[req.rid])
+        if total > MAX_DEFERRED_ROWS:  # the longest lists first, until the rest fit
+            for req in sorted(running, key=lambda r: len(self.deferred[r.rid]), reverse=True):
+                if total <= MAX_DEFERRED_ROWS:
+                    break
+                if req.rid not in due:
+                    due.add(req.rid)
+                    total -= len(self.deferred[req.rid])
         self.catch_up([r for r in running if r.rid in due])  # one draft forward for all that are due
 
     def wants_drafts(self, reqs: list[Req]) -> bool:
