@@ -6,9 +6,10 @@ down_data, down_n, down_mode, k_bufs, v_bufs, capture)` returns (h, [h at the in
 `capture`]) after every layer, computed by the same kernel calls as models/llama.py's Python loop
 (rms_norm, the packed matmuls, rope_store, attention, add_rms_norm, silu_mul), in the same order:
 bit-identical results. Lists hold one entry per layer; mode 0 = panels (`cpu_linear.linear`), 1 / 2 =
-block quant with the AVX2 / AVX-512 code, 3 / 4 = block quant with int8 activations (AVX2 / AVX-512 VNNI); an empty bias tensor means none; `attn` is the five index
-tensors of attention/torch_backend.py's kernel path and `attn_avx512` whether attention runs its AVX-512
-code (both give the same bits).
+block quant with the AVX2 / AVX-512 code, 3 / 4 = block quant with int8 activations (AVX2 / AVX-512
+VNNI code); an empty bias tensor means none; `attn` is the five index tensors of
+attention/torch_backend.py's kernel path and `attn_avx512` whether attention runs its AVX-512 code
+(both give the same bits).
 
 Why: the Python around ~11 kernel calls per layer cost about as much as the attention at batch 1
 (docs/performance.md). One extension compiled from this file and cpu_linear.cpp, cpu_norm.cpp and

@@ -82,39 +82,20 @@ static inline int32_t quad(const int8_t* q) {
 // products per int16 lane, at most 16 * 15 * 127 = 30480 < 32767; 8-bit codes are split into their
 // two nibbles (code = 16 * high + low), each summed the same way.
 namespace int8_avx2 {
-struct V {
-  __m256 lo, hi;
-};
-struct VI {
-  __m256i lo, hi;
-};
+// the fp32 lanes, code words and their ops of the fp32-activation tiles (cpu_linear.cpp's quant_avx2)
+using quant_avx2::V, quant_avx2::VI, quant_avx2::vbroadcast, quant_avx2::vfma, quant_avx2::vhalf,
+    quant_avx2::vscale, quant_avx2::vstore, quant_avx2::vwords, quant_avx2::vzero;
 struct Dot {  // int16 pair sums of the low (and, 8-bit codes, high) nibbles
   __m256i low_lo, low_hi, high_lo, high_hi;
 };
 constexpr int kRowTile = 2;
-static inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-static inline V vset(float f) { return {_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
-static inline V vmul(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
-static inline V vfma(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
-static inline V vhalf(const uint8_t* p) {
-  const auto* h = reinterpret_cast<const __m128i*>(p);
-  return {_mm256_cvtph_ps(_mm_loadu_si128(h)), _mm256_cvtph_ps(_mm_loadu_si128(h + 1))};
-}
-static inline void vstore(float* p, V v) {
-  _mm256_store_ps(p, v.lo);
-  _mm256_store_ps(p + 8, v.hi);
-}
-static inline VI vwords(const uint8_t* p) {
-  const auto* w = reinterpret_cast<const __m256i*>(p);
-  return {_mm256_loadu_si256(w), _mm256_loadu_si256(w + 1)};
-}
 static inline Dot dot_zero() {
   const __m256i z = _mm256_setzero_si256();
   return {z, z, z, z};
 }
 static inline __m256i bq(const int8_t* q) { return _mm256_set1_epi32(quad(q)); }
 template <int BITS>
-static inline void dot_add(Dot& dot, VI w, const int8_t* q, int) {
+static inline void dot_add(Dot& dot, VI w, const int8_t* q) {
   const __m256i nib = _mm256_set1_epi32(0x0F0F0F0F);
   if constexpr (BITS == 4) {  // low nibbles are k 0, 2, 4, 6 (q[0..3]); high nibbles k 1, 3, 5, 7 (q[4..7])
     const __m256i q_even = bq(q), q_odd = bq(q + 4);
@@ -148,29 +129,18 @@ static inline V dot_float(const Dot& dot) {  // int16 pairs -> int32 lanes (x16 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 namespace int8_avx512 {
-struct V {
-  __m512 v;
-};
-struct VI {
-  __m512i v;
-};
+// the fp32 lanes, code words and their ops of the fp32-activation tiles (cpu_linear.cpp's quant_avx512;
+// its target is a subset of this one's, so they inline here)
+using quant_avx512::V, quant_avx512::VI, quant_avx512::vbroadcast, quant_avx512::vfma, quant_avx512::vhalf,
+    quant_avx512::vscale, quant_avx512::vstore, quant_avx512::vwords, quant_avx512::vzero;
 struct Dot {  // one chain: a tile's 8+ independent entries cover vpdpbusd's latency
   __m512i v;
 };
 constexpr int kRowTile = 8;  // 8 rows x 2 panels: 16 integer sums in registers beside the codes
-static inline V vzero() { return {_mm512_setzero_ps()}; }
-static inline V vset(float f) { return {_mm512_set1_ps(f)}; }
-static inline V vmul(V a, V b) { return {_mm512_mul_ps(a.v, b.v)}; }
-static inline V vfma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
-static inline V vhalf(const uint8_t* p) {
-  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
-}
-static inline void vstore(float* p, V v) { _mm512_store_ps(p, v.v); }
-static inline VI vwords(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
 static inline Dot dot_zero() { return {_mm512_setzero_si512()}; }
 static inline __m512i bq(const int8_t* q) { return _mm512_set1_epi32(quad(q)); }
 template <int BITS>
-static inline void dot_add(Dot& dot, VI w, const int8_t* q, int) {
+static inline void dot_add(Dot& dot, VI w, const int8_t* q) {
   if constexpr (BITS == 4) {  // low nibbles: k 0, 2, 4, 6 (q[0..3]); high nibbles: k 1, 3, 5, 7 (q[4..7])
     const __m512i nib = _mm512_set1_epi32(0x0F0F0F0F);
     dot.v = _mm512_dpbusd_epi32(dot.v, _mm512_and_si512(w.v, nib), bq(q));

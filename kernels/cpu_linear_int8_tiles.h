@@ -1,8 +1,8 @@
 // Int8-activation block-quant tiles for one vector width (cpu_linear_int8.h). Included twice, into the
-// namespaces int8_avx2 and int8_avx512, after defining there V (16 fp32 lanes), VI (16 int32 lanes),
-// Dot (one output panel's integer sums for one row) and their ops: vzero, vset, vmul, vfma, vhalf,
-// vstore, vwords, dot_zero, dot_add<BITS>(dot, words, q, r), dot_float<BITS>(dot); and kRowTile.
-// No include guard.
+// namespaces int8_avx2 and int8_avx512, after naming there V (16 fp32 lanes), VI (16 int32 lanes) and
+// their ops (vzero, vbroadcast, vscale, vfma, vhalf, vstore, vwords: the fp32-activation tiles'), and
+// defining Dot (one output panel's integer sums for one row), dot_zero, dot_add<BITS>(dot, words, q),
+// dot_float<BITS>(dot) and kRowTile. No include guard.
 
 // ROWS quantized rows against PANELS consecutive panels, the first `panel0`. Per block: the integer
 // sums of every (row, panel) over the block's word rows, then per output the two fmas of
@@ -43,7 +43,7 @@ static inline void tile(const int8_t* q, const float* xd, const float* xs, int64
       for (int m = 0; m < ROWS; ++m) {
         const int8_t* qm = q + m * k_dim + b * kQuantBlock + r * (32 / BITS);
 #pragma GCC unroll 4
-        for (int j = 0; j < PANELS; ++j) dot_add<BITS>(dot[m * PANELS + j], w[j], qm, r);
+        for (int j = 0; j < PANELS; ++j) dot_add<BITS>(dot[m * PANELS + j], w[j], qm);
       }
     }
 #pragma GCC unroll 4
@@ -53,8 +53,8 @@ static inline void tile(const int8_t* q, const float* xd, const float* xs, int64
 #pragma GCC unroll 8
       for (int m = 0; m < ROWS; ++m) {
         V& out = acc[m * PANELS + j];
-        out = vfma(vmul(scale, vset(xd[m * blocks + b])), dot_float<BITS>(dot[m * PANELS + j]), out);
-        out = vfma(min, vset(xs[m * blocks + b]), out);
+        out = vfma(vscale(scale, xd[m * blocks + b]), dot_float<BITS>(dot[m * PANELS + j]), out);
+        out = vfma(min, vbroadcast(xs + m * blocks + b), out);
       }
     }
   }

@@ -40,7 +40,7 @@ EAGLE_ONLY_FLAGS = {"speculative_draft_model_path": "--speculative-draft-model-p
                     "speculative_config": "--speculative-config"}
 
 
-BLOCK_QUANT_ACTIVATIONS = ("fp32", "int8")  # --block-quant-activations (models/packed_linear.py ACTIVATIONS)
+BLOCK_QUANT_ACTIVATIONS = ("fp32", "int8")  # --block-quant-activations; models/packed_linear.py checks it too
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")  # sglang-router's --policy
 
 

@@ -135,15 +135,19 @@ class LlamaForCausalLM(nn.Module):
         self.layer_stack = LayerStack.for_model(self.layers, dtype) if self.tp is None else None
         return True
 
+    def _packed_linears(self) -> list[PackedLinear]:
+        """The layers' packed matmuls in the order a step runs them."""
+        return [m for m in self.layers.modules() if isinstance(m, PackedLinear)]
+
     def has_block_quant_weights(self) -> bool:
         """Whether any matmul streams block-quant codes (the "panel_quant" layout)."""
-        packed = [m.packed for m in self.layers.modules() if isinstance(m, PackedLinear)] + [self.packed_lm_head]
+        packed = [m.packed for m in self._packed_linears()] + [self.packed_lm_head]
         return any(p is not None and p.layout == "panel_quant" for p in packed)
 
     def _gather_packed_weights(self) -> None:
         """Every packed weight into one buffer in the order a step reads them (layer by layer, then
         lm_head): models/weight_arena.py."""
-        linears = [m for m in self.layers.modules() if isinstance(m, PackedLinear)]
+        linears = self._packed_linears()
         *gathered, self.packed_lm_head = weight_arena.gather([m.packed for m in linears] + [self.packed_lm_head])
         for module, packed in zip(linears, gathered, strict=True):
             module.packed = packed

@@ -31,10 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treespec.args import BLOCK_QUANT_ACTIVATIONS
 from treespec.kernels import cpu_linear
 from treespec.models.block_quant import BlockQuant
-
-ACTIVATIONS = ("fp32", "int8")  # what block-quant matmuls take their input rows as
 
 # oneDNN picks its blocked layout for this many rows; 8 suits decode (1 row) and verify (4-16 rows)
 # alike on the machine we measured, and prefill chunks of hundreds of rows stay as fast as MKL's.
@@ -92,14 +91,13 @@ def pack_weight(weight: torch.Tensor, layout: str | None = None, block_quant: Bl
     With the panel layout, a `block_quant` that reproduces the fp32 weight exactly is packed instead
     (models/block_quant.py): same results, ~4x fewer bytes streamed. `activations` "int8": such a
     weight's matmuls quantize their input rows to int8 (`--block-quant-activations`)."""
-    if activations not in ACTIVATIONS:
-        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+    if activations not in BLOCK_QUANT_ACTIVATIONS:
+        raise ValueError(f"activations must be one of {BLOCK_QUANT_ACTIVATIONS}, got {activations!r}")
     layout = layout or packing_layout(weight.device, weight.dtype)
     if layout == "panel" and block_quant is not None and block_quant.reproduces(weight):
         blocks = cpu_linear.load().pack_quant(block_quant.codes, block_quant.scales, block_quant.mins)
-        if activations == "int8":
-            return PackedWeight(blocks, weight.shape[0], "panel_quant", cpu_linear.quant_int8_avx512(), "int8")
-        return PackedWeight(blocks, weight.shape[0], "panel_quant", cpu_linear.quant_avx512())
+        avx512 = cpu_linear.quant_int8_avx512() if activations == "int8" else cpu_linear.quant_avx512()
+        return PackedWeight(blocks, weight.shape[0], "panel_quant", avx512, activations)
     if layout == "panel":
         dense = weight.detach().contiguous()
         if dense.dtype == torch.float32 and torch.equal(dense, dense.bfloat16().float()):

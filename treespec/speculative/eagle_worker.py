@@ -410,7 +410,7 @@ class EagleWorker:
         for req in reqs:
             cursor = self.ngram_text.setdefault(req.rid, TextCursor())
             if len(req.all_ids) > cursor.length:
-                self.ngram.insert(req.all_ids, len(req.all_ids) - cursor.length if cursor.length else None, cursor)
+                self.ngram.insert(req.all_ids, len(req.all_ids) - cursor.length, cursor)
 
     def _ngram_drafts(self, reqs: list[Req]) -> list:
         """The hybrid's n-gram drafts, each within its request's budget (its text inserted first)."""
