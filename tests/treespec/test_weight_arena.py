@@ -11,6 +11,7 @@ import torch
 
 from treespec.attention.metadata import build_metadata
 from treespec.forward_batch import ForwardBatch, ForwardMode
+from treespec.mem.huge_pages import HUGE_PAGE
 from treespec.model_runner import ModelRunner
 from treespec.models import weight_arena
 from treespec.models.packed_linear import PackedLinear, PackedWeight, packing_layout
@@ -41,7 +42,7 @@ def test_weights_sit_back_to_back_in_step_order(tmp_path) -> None:
         if end is not None:
             assert 0 <= start - end < weight_arena.ALIGN  # right after the previous one
         end = start + w.data.numel() * w.data.element_size()
-    assert weights[0].data.data_ptr() % weight_arena.HUGE_PAGE == 0  # the arena starts on a huge page
+    assert weights[0].data.data_ptr() % HUGE_PAGE == 0  # the arena starts on a huge page
     # the layer stack streams the gathered copies, not the packs they were copied from
     assert runner.model.layer_stack is not None
     assert runner.model.layer_stack.weights[2][0].data_ptr() == weights[0].data.data_ptr()
@@ -71,13 +72,3 @@ def test_other_layouts_pass_through_unchanged() -> None:
     assert out[0] is opaque
     assert torch.equal(out[1].data, panel.data) and out[1].data.data_ptr() != panel.data.data_ptr()
     assert weight_arena.gather([opaque]) == [opaque]
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
-def test_huge_pages_are_asked_for_the_aligned_interior_only() -> None:
-    """madvise(MADV_HUGEPAGE) on the 2 MB-aligned part of a range; a range holding no whole huge page
-    is left alone (the kernel would refuse an unaligned start)."""
-    buffer = torch.empty(3 * weight_arena.HUGE_PAGE, dtype=torch.uint8)
-    assert weight_arena.advise_huge_pages(buffer.data_ptr(), buffer.numel())  # one whole huge page inside
-    start = -(-buffer.data_ptr() // weight_arena.HUGE_PAGE) * weight_arena.HUGE_PAGE
-    assert not weight_arena.advise_huge_pages(start + 4096, weight_arena.HUGE_PAGE)  # no whole one

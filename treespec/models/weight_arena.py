@@ -5,6 +5,7 @@ one by one, each weight is its own allocation somewhere in memory, and every mat
 stream. Back to back in one buffer, the step reads one sequential range, and the block-quant tiles'
 prefetch, which runs on past a group's end (kernels/cpu_linear.cpp, kPrefetchBlocks), runs from the
 end of one weight into the start of the next. The bytes are the same, so the results are the same bits.
+The buffer starts on a transparent huge page (treespec/mem/huge_pages.py).
 
 Measured on a 2-core Sapphire Rapids VM (docs/cpu_kernels.md): this together with that prefetch took
 plain decoding from 137 to 176-182 tokens/s; the layout alone, in paired runs with the prefetch in
@@ -13,17 +14,12 @@ place, 178 / 187 / 186 against 178 / 162 / 180 tokens/s apart, within that VM's 
 
 from __future__ import annotations
 
-import ctypes
-import sys
 from dataclasses import replace
 
-import torch
-
+from treespec.mem.huge_pages import huge_page_bytes
 from treespec.models.packed_linear import PackedWeight
 
 ALIGN = 64  # each weight starts on a cache line (and so at a multiple of any element size)
-HUGE_PAGE = 2 << 20  # x86-64 transparent huge page
-MADV_HUGEPAGE = 14  # linux/mman.h
 ARENA_LAYOUTS = ("panel", "panel_quant")  # plain tensors; oneDNN's packs are opaque
 
 
@@ -34,9 +30,8 @@ def gather(weights: list[PackedWeight]) -> list[PackedWeight]:
     if not movable:
         return list(weights)
     sizes = [-(-w.data.numel() * w.data.element_size() // ALIGN) * ALIGN for w in movable]
-    arena = torch.empty(sum(sizes) + HUGE_PAGE, dtype=torch.uint8)
-    offset = (-arena.data_ptr()) % HUGE_PAGE
-    advise_huge_pages(arena.data_ptr() + offset, sum(sizes))  # before the copy touches a page
+    arena = huge_page_bytes(sum(sizes))
+    offset = 0
     moved: dict[int, PackedWeight] = {}
     for w, size in zip(movable, sizes, strict=True):
         nbytes = w.data.numel() * w.data.element_size()
@@ -45,19 +40,3 @@ def gather(weights: list[PackedWeight]) -> list[PackedWeight]:
         moved[id(w)] = replace(w, data=data)
         offset += size
     return [moved.get(id(w), w) for w in weights]
-
-
-def advise_huge_pages(address: int, length: int) -> bool:
-    """Ask Linux to back [address, address + length) with transparent huge pages (madvise MADV_HUGEPAGE;
-    where THP is in "madvise" mode, the usual default, anonymous memory gets none otherwise). A step
-    streams the weights in order, and with 4 KB pages the hardware prefetcher stops at every page end
-    and each page costs a TLB miss. Only the 2 MB-aligned interior is advised; returns whether the call
-    succeeded (False off Linux, or where the kernel refuses: nothing changes then)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    start = -(-address // HUGE_PAGE) * HUGE_PAGE
-    end = (address + length) // HUGE_PAGE * HUGE_PAGE
-    if end <= start:
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE) == 0
