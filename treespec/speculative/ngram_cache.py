@@ -53,33 +53,36 @@ class NgramDraft:
 
 class TextCursor:
     """Where one request's text stands in the cache: how many of its tokens were inserted, and the nodes
-    of that text's last suffixes (lengths 1 .. branch_length - 1, shortest first), which the next
-    insert extends by its new tokens instead of walking every n-gram from the root."""
+    of that text's last suffixes (lengths 1 .. branch_length - 1, shortest first) with their serial
+    numbers, which the next insert extends by its new tokens instead of walking every n-gram from the
+    root (a node id evicted and reused since has another serial)."""
 
-    __slots__ = ("length", "suffixes")
+    __slots__ = ("length", "suffixes", "serials")
 
     def __init__(self) -> None:
         self.length = 0
-        self.suffixes: list[_Node] = []
+        self.suffixes: list[int] = []  # node ids
+        self.serials: list[int] = []
 
 
-class _Node:
-    __slots__ = ("token", "count", "tick", "parent", "children")
-
-    def __init__(self, token: int, parent: _Node | None) -> None:
-        self.token = token
-        self.count = 0
-        self.tick = 0  # the cache's clock when last touched (tie-break among equal counts)
-        self.parent = parent
-        self.children: dict[int, _Node] | None = None
+ROOT = 0  # the root's node id
 
 
 class NgramCache:
+    """The trie's nodes are integer ids into parallel lists of ints, and each node's children a dict of
+    int -> int: none of it is an object Python's cycle collector tracks. (With a node object per n-gram,
+    a full collection walked every node: a 200 ms pause at ~80k nodes, growing with the capacity.)"""
+
     def __init__(self, config: NgramConfig) -> None:
         self.config = config
-        self.root = _Node(-1, None)
-        self._recency: OrderedDict[_Node, None] = OrderedDict()  # oldest first; never holds the root
+        # per node id (a freed id is reused): token, count, tick (the clock when last touched: the
+        # tie-break among equal counts), parent (-1: free), serial (when created), children (token -> id)
+        self.token, self.count, self.tick, self.parent, self.serial = [-1], [0], [0], [-1], [0]
+        self.children: list[dict[int, int] | None] = [None]
+        self._free: list[int] = []
+        self._recency: OrderedDict[int, None] = OrderedDict()  # oldest first; never holds the root
         self._clock = 0
+        self._created = 0
 
     def __len__(self) -> int:
         return len(self._recency)
@@ -92,9 +95,10 @@ class NgramCache:
         capacity."""
         length = len(tokens)
         first_new = 0 if num_new is None else max(0, length - num_new)
+        serial = self.serial
         if (cursor is not None and first_new > 0 and cursor.length == first_new
-                and all(node.parent is not None for node in cursor.suffixes)):  # none evicted
-            self._extend(tokens, first_new, cursor)
+                and all(serial[node] == s for node, s in zip(cursor.suffixes, cursor.serials, strict=True))):
+            self._extend(tokens, first_new, cursor)  # none of its nodes evicted
         else:
             self._insert_from_root(tokens, first_new, cursor)
         self._evict()
@@ -103,53 +107,67 @@ class NgramCache:
         """Every n-gram that ends at a new token, walked from the root, each path touched deepest first."""
         length = len(tokens)
         depth_limit = self.config.branch_length
-        suffixes: list[_Node] = []  # nodes of tokens[start:], start descending: shortest first
-        move_to_end = self._recency.move_to_end  # a local name: the hot loop
+        suffixes: list[int] = []  # nodes of tokens[start:], start descending: shortest first
+        move_to_end, count, tick = self._recency.move_to_end, self.count, self.tick  # local names: the hot loop
         for start in range(max(0, first_new - depth_limit + 1), length):
             self._clock += 1  # later occurrences are more recent, also within one call
-            clock, node, path = self._clock, self.root, []
+            clock, node, path = self._clock, ROOT, []
             for j in range(start, min(start + depth_limit, length)):
                 child = self._child(node, tokens[j])
                 if j >= first_new:
-                    child.count += 1
+                    count[child] += 1
                 path.append(child)
                 node = child
             for touched in reversed(path):  # deepest first: ancestors end up newer than descendants
-                touched.tick = clock
+                tick[touched] = clock
                 move_to_end(touched)
             if length - start < depth_limit:  # the walk reached the end: a suffix the cursor extends
                 suffixes.append(node)
         if cursor is not None:
             cursor.length, cursor.suffixes = length, suffixes[::-1]
+            cursor.serials = [self.serial[node] for node in cursor.suffixes]
 
     def _extend(self, tokens: Sequence[int], first_new: int, cursor: TextCursor) -> None:
         """The new tokens one by one: each extends the empty suffix and every suffix of the cursor, the
         same n-grams `_insert_from_root` would count, touching only those nodes."""
         longest = self.config.branch_length - 1  # suffixes kept: one token shorter than an n-gram
-        move_to_end = self._recency.move_to_end
+        move_to_end, count, tick = self._recency.move_to_end, self.count, self.tick
         for j in range(first_new, len(tokens)):
             token = tokens[j]
             self._clock += 1
             clock = self._clock
-            extended: list[_Node] = []
-            for node in (self.root, *cursor.suffixes):
+            extended: list[int] = []
+            for node in (ROOT, *cursor.suffixes):
                 child = self._child(node, token)
-                child.count += 1
-                child.tick = clock
+                count[child] += 1
+                tick[child] = clock
                 move_to_end(child)
                 if len(extended) < longest:
                     extended.append(child)
             cursor.suffixes = extended
         cursor.length = len(tokens)
+        cursor.serials = [self.serial[node] for node in cursor.suffixes]
 
-    def _child(self, node: _Node, token: int) -> _Node:
+    def _child(self, node: int, token: int) -> int:
         """`node`'s child for `token`, created (and entered as the newest) if missing."""
-        children = node.children
+        children = self.children[node]
         child = children.get(token) if children else None
         if child is None:
-            child = _Node(token, node)
+            self._created += 1
+            if self._free:
+                child = self._free.pop()
+                self.token[child], self.count[child], self.tick[child] = token, 0, 0
+                self.parent[child], self.serial[child], self.children[child] = node, self._created, None
+            else:
+                child = len(self.token)
+                self.token.append(token)
+                self.count.append(0)
+                self.tick.append(0)
+                self.parent.append(node)
+                self.serial.append(self._created)
+                self.children.append(None)
             if children is None:
-                children = node.children = {}
+                children = self.children[node] = {}
             children[token] = child
             self._recency[child] = None
         return child
@@ -157,41 +175,44 @@ class NgramCache:
     def _evict(self) -> None:
         while len(self._recency) > self.config.capacity:
             node, _ = self._recency.popitem(last=False)
-            if node.children:  # a descendant was used after it: keep it, as if used now (module doc)
+            if self.children[node]:  # a descendant was used after it: keep it, as if used now (module doc)
                 self._recency[node] = None
                 continue
-            parent = node.parent
-            del parent.children[node.token]
-            if not parent.children:
-                parent.children = None
-            node.parent = None
+            parent = self.parent[node]
+            siblings = self.children[parent]
+            del siblings[self.token[node]]
+            if not siblings:
+                self.children[parent] = None
+            self.parent[node], self.serial[node] = -1, 0
+            self._free.append(node)
 
-    def _touch(self, drafted: list[_Node], matched: _Node) -> None:
+    def _touch(self, drafted: list[int], matched: int) -> None:
         """Mark a draft's nodes used: the drafted ones last-first (descendants before ancestors), then
         the matched node and its ancestors, which keeps the order invariant."""
         self._clock += 1
         for node in reversed(drafted):
-            node.tick = self._clock
+            self.tick[node] = self._clock
             self._recency.move_to_end(node)
         node = matched
-        while node is not self.root:
-            node.tick = self._clock
+        while node != ROOT:
+            self.tick[node] = self._clock
             self._recency.move_to_end(node)
-            node = node.parent
+            node = self.parent[node]
 
     # ------------------------------------------------------------------ draft
-    def _longest_match(self, context: Sequence[int], min_width: int = 0) -> tuple[_Node | None, int]:
+    def _longest_match(self, context: Sequence[int], min_width: int = 0) -> tuple[int | None, int]:
         """The node of the longest suffix of `context` in the window (and of at least `min_width`
         tokens) that has continuations."""
         cfg = self.config
         longest = min(cfg.max_match_window, len(context), cfg.branch_length - 1)
         for width in range(longest, max(min_width, cfg.min_match_window) - 1, -1):
-            node = self.root
+            node: int | None = ROOT
             for token in context[len(context) - width :]:
-                node = node.children.get(token) if node.children else None
+                children = self.children[node]
+                node = children.get(token) if children else None
                 if node is None:
                     break
-            if node is not None and node.children:
+            if node is not None and self.children[node]:
                 return node, width
         return None, 0
 
@@ -216,15 +237,17 @@ class NgramCache:
         breadth = self.breadth_for(width)
         tokens: list[int] = []
         parents: list[int] = []
-        drafted: list[_Node] = []
-        frontier: deque[tuple[_Node, int]] = deque([(node, 0)])
+        drafted: list[int] = []
+        frontier: deque[tuple[int, int]] = deque([(node, 0)])
+        count, tick = self.count, self.tick
         while frontier and len(tokens) < max_drafts:
             trie_node, tree_node = frontier.popleft()
-            if not trie_node.children:
+            children = self.children[trie_node]
+            if not children:
                 continue
-            best = heapq.nlargest(breadth, trie_node.children.values(), key=lambda c: (c.count, c.tick))
+            best = heapq.nlargest(breadth, children.values(), key=lambda c: (count[c], tick[c]))
             for child in best[: max_drafts - len(tokens)]:
-                tokens.append(child.token)
+                tokens.append(self.token[child])
                 parents.append(tree_node)
                 drafted.append(child)
                 frontier.append((child, len(tokens)))  # its verify-tree node number
