@@ -144,13 +144,74 @@ static void attend(const Request& req, int64_t i, int64_t kv_head, const float* 
   for (int64_t d = 0; d < pool.head_dim; ++d) out[d] *= inv;
 }
 
+// The queries of one unit: rows [row0, row1) of request `req` x query heads [head0, head1), all on KV
+// head kv_head.
+struct Unit {
+  int64_t req, kv_head, row0, row1, head0, head1;
+};
+
+// A row's own visible columns (after the shared ones): their K and V rows on the unit's KV head, shared
+// by the row's queries.
+struct OwnColumns {
+  std::vector<const float*> k, v;
+};
+
+// One query's part of a unit: its q, output, softmax weights p (its dense list: the shared columns, then
+// its own) and its row's own columns.
+struct Query {
+  const float* q;
+  float* out;
+  const float* p;
+  float inv;
+  const OwnColumns* own;
+};
+
+
+// A unit's columns and queries, gathered once for either ISA's unit code: the shared columns' K and V
+// rows, each row's own visible ones, and a Query per (row, head) of the unit.
+struct UnitWork {
+  std::vector<const float*> shared_k, shared_v;
+  std::vector<OwnColumns> own;
+  std::vector<Query> qs;
+  int64_t longest = 0;  // the most own columns of any row
+};
+
+static UnitWork gather_unit(const Unit& u, const Request& req, const float* qp, int64_t q_row_stride,
+                            int64_t num_heads, const Pool& pool, const int64_t* kv_slots, int64_t shared,
+                            const std::vector<std::vector<int64_t>>& own_slots, float* op) {
+  UnitWork w;
+  const int64_t* shared_slots = kv_slots + req.kv_start;
+  w.shared_k.resize(shared);
+  w.shared_v.resize(shared);
+  for (int64_t j = 0; j < shared; ++j) {
+    w.shared_k[j] = pool.row(pool.k, shared_slots[j], u.kv_head);
+    w.shared_v[j] = pool.row(pool.v, shared_slots[j], u.kv_head);
+  }
+  w.own.resize(u.row1 - u.row0);  // sized once: each Query points at its row's entry
+  for (int64_t r = u.row0; r < u.row1; ++r) {
+    const int64_t row = req.q_start + r;
+    OwnColumns& cols = w.own[r - u.row0];
+    for (int64_t slot : own_slots[row]) {
+      cols.k.push_back(pool.row(pool.k, slot, u.kv_head));
+      cols.v.push_back(pool.row(pool.v, slot, u.kv_head));
+    }
+    w.longest = std::max<int64_t>(w.longest, static_cast<int64_t>(cols.k.size()));
+    for (int64_t h = u.head0; h < u.head1; ++h)
+      w.qs.push_back({qp + row * q_row_stride + h * pool.head_dim, op + (row * num_heads + h) * pool.head_dim,
+                      nullptr, 0.f, &cols});
+  }
+  return w;
+}
+
+#include "cpu_attention_avx2_units.h"
 #include "cpu_attention_avx512.h"
 
-// The AVX-512 path (head_dim a multiple of 16, at most 128): per request the leading columns all its rows see and
-// each row's visible columns after them; units of (request, KV head, rows) over the threads.
-static void attention_avx512_units(const std::vector<Request>& reqs, int64_t num_rows, int64_t num_heads,
-                                   int64_t group, const float* qp, int64_t q_row_stride, const Pool& pool,
-                                   const int64_t* slots, const uint8_t* mask, float scale, float* op) {
+// The unit paths (head_dim a multiple of 16, at most 128; AVX-512 or AVX2 code, the same bits): per request
+// the leading columns all its rows see and each row's visible columns after them; units of (request, KV
+// head, rows) over the threads.
+static void attention_units(const std::vector<Request>& reqs, int64_t num_rows, int64_t num_heads, int64_t group,
+                            const float* qp, int64_t q_row_stride, const Pool& pool, const int64_t* slots,
+                            const uint8_t* mask, float scale, float* op, bool avx512) {
   const int64_t bs = static_cast<int64_t>(reqs.size()), num_kv_heads = num_heads / group;
   std::vector<int64_t> shared(bs);
   std::vector<std::vector<int64_t>> tails(num_rows);
@@ -190,7 +251,7 @@ static void attention_avx512_units(const std::vector<Request>& reqs, int64_t num
     return total;
   };
   while (unit_count() < want && max_rows > 1) max_rows /= 2;
-  std::vector<attention_avx512::Unit> units;
+  std::vector<Unit> units;
   for (int64_t b = 0; b < bs; ++b) {
     const int64_t q_len = reqs[b].q_len, row_chunks = chunks(q_len, max_rows);
     for (int64_t g = 0; g < num_kv_heads; ++g)
@@ -200,8 +261,8 @@ static void attention_avx512_units(const std::vector<Request>& reqs, int64_t num
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const auto& u = units[i];
-      attention_avx512::run_unit_any(pool.head_dim / 16, u, reqs[u.req], qp, q_row_stride, num_heads, pool, slots,
-                                     shared[u.req], tails, scale, op);
+      const auto run = avx512 ? attention_avx512::run_unit_any : attention_avx2::run_unit_any;
+      run(pool.head_dim / 16, u, reqs[u.req], qp, q_row_stride, num_heads, pool, slots, shared[u.req], tails, scale, op);
     }
   });
 }
@@ -244,12 +305,12 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_buf, cons
   const int64_t* slots = kv_indices.data_ptr<int64_t>();
   const uint8_t* mask = masked ? custom_mask.data_ptr<uint8_t>() : nullptr;
   float* op = out.data_ptr<float>();
-  if (avx512 && head_dim % 16 == 0 && head_dim <= 128) {
-    attention_avx512_units(reqs, q.size(0), num_heads, group, qp, q_row_stride, pool, slots, mask,
-                           static_cast<float>(scale), op);
+  if (head_dim % 16 == 0 && head_dim <= 128) {
+    attention_units(reqs, q.size(0), num_heads, group, qp, q_row_stride, pool, slots, mask, static_cast<float>(scale),
+                    op, avx512);
     return out;
   }
-  // one task per (query row, query head): a decode row's 9 heads split evenly over threads
+  // other head sizes: one task per (query row, query head), each computed alone by `attend`
   at::parallel_for(0, q.size(0) * num_heads, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
     for (int64_t t = begin; t < end; ++t) {

@@ -9,9 +9,10 @@ uses KV head h // (H / Hkv). A query row with no visible column gets zeros.
 Each (row, head) is computed alone over its visible columns taken in order as one dense list, so a row's
 output depends neither on the rest of the batch nor on where masked columns sit: a tree-verify row equals
 the decode of the same path bit for bit (with the batch-invariant linear and norm kernels, a whole verify
-forward does). `avx512` runs the AVX-512 code (`cpu_attention_avx512.h`, same bits, where head_dim is a
-multiple of 16), which shares K and V reads between the queries of a KV head. Above a few query rows per
-request (AVX2) or a few dozen (AVX-512) torch's SDPA is faster (attention/torch_backend.py).
+forward does). Where head_dim is a multiple of 16 (at most 128) the queries of a KV head run together in
+units that share K and V reads: `cpu_attention_avx512.h` where `avx512`, else `cpu_attention_avx2_units.h`,
+the same bits as each other and as the per-(row, head) code the other head sizes take. Every fp32 CPU
+forward runs it, prefill included (attention/torch_backend.py).
 Compiled once per machine by `cpu_extension.build`; `load()` returns None where it
 cannot run, and callers keep the torch path.
 """

@@ -16,7 +16,7 @@
 //   computes each element alone).
 // Every query still attends to its own dense list of visible columns (the shared prefix first, then its
 // own visible columns after it), so a tree-verify row equals the decode of its path, as before.
-// Included by cpu_attention.cpp after Pool, Request, prefetch_row and softmax_in_place.
+// Included by cpu_attention.cpp after Pool, Request, Unit, OwnColumns, Query, prefetch_row and softmax_in_place.
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
@@ -124,28 +124,6 @@ static inline void score_columns(const float* q, const float* const* rows, int64
   if (j < n) score_block<NC, false>(q, rows + j, n - j, scale, s + j);
 }
 
-// The queries of one unit: rows [row0, row1) of request `req` x query heads [head0, head1), all on KV
-// head kv_head.
-struct Unit {
-  int64_t req, kv_head, row0, row1, head0, head1;
-};
-
-// A row's own visible columns (after the shared ones): their K and V rows on the unit's KV head, shared
-// by the row's queries.
-struct OwnColumns {
-  std::vector<const float*> k, v;
-};
-
-// One query's part of a unit: its q, output, softmax weights p (its dense list: the shared columns, then
-// its own) and its row's own columns.
-struct Query {
-  const float* q;
-  float* out;
-  const float* p;
-  float inv;
-  const OwnColumns* own;
-};
-
 // V rows serve T queries at a time, all NC chunks of each in registers: T * NC <= kPvRegisters.
 constexpr int kPvRegisters = 24;
 
@@ -203,27 +181,10 @@ template <int NC>
 static void run_unit(const Unit& u, const Request& req, const float* qp, int64_t q_row_stride, int64_t num_heads,
                      const Pool& pool, const int64_t* kv_slots, int64_t shared,
                      const std::vector<std::vector<int64_t>>& own_slots, float scale, float* op) {
-  const int64_t* shared_slots = kv_slots + req.kv_start;
-  std::vector<const float*> shared_k(shared), shared_v(shared);
-  for (int64_t j = 0; j < shared; ++j) {
-    shared_k[j] = pool.row(pool.k, shared_slots[j], u.kv_head);
-    shared_v[j] = pool.row(pool.v, shared_slots[j], u.kv_head);
-  }
-  std::vector<OwnColumns> own(u.row1 - u.row0);
-  std::vector<Query> qs;
-  int64_t longest = 0;
-  for (int64_t r = u.row0; r < u.row1; ++r) {
-    const int64_t row = req.q_start + r;
-    OwnColumns& cols = own[r - u.row0];
-    for (int64_t slot : own_slots[row]) {
-      cols.k.push_back(pool.row(pool.k, slot, u.kv_head));
-      cols.v.push_back(pool.row(pool.v, slot, u.kv_head));
-    }
-    longest = std::max<int64_t>(longest, static_cast<int64_t>(cols.k.size()));
-    for (int64_t h = u.head0; h < u.head1; ++h)
-      qs.push_back({qp + row * q_row_stride + h * pool.head_dim, op + (row * num_heads + h) * pool.head_dim,
-                    nullptr, 0.f, &cols});
-  }
+  UnitWork w = gather_unit(u, req, qp, q_row_stride, num_heads, pool, kv_slots, shared, own_slots, op);
+  std::vector<Query>& qs = w.qs;
+  const std::vector<const float*>&shared_k = w.shared_k, &shared_v = w.shared_v;
+  const int64_t longest = w.longest;
   const int64_t queries = static_cast<int64_t>(qs.size());
   const int64_t stride = (shared + longest + 7) / 8 * 8;  // softmax_in_place reads whole 8-float blocks
   std::vector<float> s(queries * stride);

@@ -49,8 +49,8 @@ def test_matches_reference_causal_and_masked(heads: int, kv_heads: int, head_dim
 @pytest.mark.skipif(not HAS_AVX512, reason="this CPU has no AVX-512")
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 48), (2, 1, 16)])
 def test_avx512_code_gives_the_avx2_codes_bits(heads: int, kv_heads: int, head_dim: int):
-    """The AVX-512 code (queries of a KV head share K and V reads; 16 dots reduced by one shuffle tree)
-    computes every element as the AVX2 code does: causal and masked, trees sharing a prefix, rows with
+    """The AVX-512 unit code (16 dots reduced by one shuffle tree) computes every element as the AVX2
+    unit code (8 dots a tree, each tree the per-(row, head) code's horizontal sum) does: causal and masked, trees sharing a prefix, rows with
     their own columns, blocks of 16 columns full and partial, one row and 64 rows."""
     k_buf, v_buf, g = random_pool(700, kv_heads, head_dim, 7 + head_dim)
     qo_lens, kv_lens = [1, 9, 3, 17, 64, 1, 2], [1, 250, 40, 33, 300, 17, 16]

@@ -37,8 +37,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 # all: a request's prefill then computed other bits beside a long prompt than alone (1e-5 in fp32, but
 # enough to flip a greedy near-tie, and with int8 activations often: plain outputs changed with the
 # batch). Measured prefill of the default model on the Intel host (fp32, ms, SDPA -> kernel): 70 tokens
-# 100 -> 95, 136 tokens 190 -> 179, 512 tokens 769 -> 792, 2048 tokens 4581 -> 4461; with the AVX2
-# code (per row and head) 2048 tokens take 7391 (docs/cpu_kernels.md).
+# 100 -> 95, 136 tokens 190 -> 179, 512 tokens 769 -> 792, 2048 tokens 4581 -> 4461; the AVX2 code,
+# since it shares K/V reads in units too, 2048 tokens in 5437 (7343 per row and head; docs/cpu_kernels.md).
 
 
 def request_masks(meta: AttentionMetadata) -> list[torch.Tensor | None]:
