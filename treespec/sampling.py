@@ -11,6 +11,12 @@ from treespec.request import Req
 from treespec.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax over the last dim, the first maximum on ties (as torch.argmax, NaN counting as the
+    maximum), taken through max(dim): on CPU torch's argmax walks a 49k vocabulary ~3x slower (72 vs 26
+    µs a row on the Intel host; 190 vs 64 for a 5-row verify), ~1 % of a batch-1 decode step."""
+    return logits.max(dim=-1).indices
+
 def apply_sampling_filters(
     logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
     min_ps: torch.Tensor,
@@ -44,7 +50,7 @@ def apply_sampling_filters(
         probs = torch.where(probs >= threshold, probs, 0.0)
     probs = probs / probs.sum(-1, keepdim=True)
     if bool(greedy.any()):
-        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+        one_hot = torch.zeros_like(probs).scatter_(1, greedy_tokens(logits).unsqueeze(-1), 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
     return probs
 
@@ -139,7 +145,7 @@ def sample_next_tokens(
         dead = ~torch.isfinite(processed).any(dim=-1)
         if bool(dead.any()):
             processed[dead] = allowed[dead]
-    tokens = processed.argmax(dim=-1)
+    tokens = greedy_tokens(processed)
     sampled = [i for i, r in enumerate(reqs) if not r.sampling_params.greedy]
     if sampled:
         sub = [reqs[i] for i in sampled]

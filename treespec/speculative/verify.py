@@ -18,7 +18,13 @@ import torch
 from treespec.constrained import apply_tree_grammar_masks
 from treespec.kernels import tree_speculative_sampling_target_only, verify_tree_greedy
 from treespec.request import Req
-from treespec.sampling import apply_sampling_filters, mask_min_new_tokens, penalized_logits, sampling_tensors
+from treespec.sampling import (
+    apply_sampling_filters,
+    greedy_tokens,
+    mask_min_new_tokens,
+    penalized_logits,
+    sampling_tensors,
+)
 from treespec.speculative.tree import DraftTree
 
 
@@ -77,7 +83,7 @@ def verify_tree_mixed(reqs: list[Req], logits: torch.Tensor, tree: DraftTree
     args = (tree.candidates, tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling)
     greedy = torch.tensor([r.sampling_params.greedy for r in reqs], device=device)
     if bool(greedy.all()):
-        return verify_tree_greedy(*args, logits.argmax(-1).view(bs, n), tree.max_depth)
+        return verify_tree_greedy(*args, greedy_tokens(logits).view(bs, n), tree.max_depth)
     sampled = [r for r in reqs if not r.sampling_params.greedy]
     rows = ~greedy.repeat_interleave(n)
     probs = torch.zeros_like(logits)
@@ -86,7 +92,7 @@ def verify_tree_mixed(reqs: list[Req], logits: torch.Tensor, tree: DraftTree
     greedy_rows = greedy.repeat_interleave(n)
     if bool(greedy_rows.any()):
         probs[greedy_rows] = torch.zeros_like(probs[greedy_rows]).scatter_(
-            1, logits[greedy_rows].argmax(-1, keepdim=True), 1.0)
+            1, greedy_tokens(logits[greedy_rows]).unsqueeze(-1), 1.0)
     coins = torch.zeros(bs, n)
     final_coins = torch.zeros(bs)
     for b, req in enumerate(reqs):

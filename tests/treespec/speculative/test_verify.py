@@ -44,3 +44,19 @@ def test_tree_rows_penalised_like_plain_decoding_after_the_path() -> None:
             want = penalized_logits([plain], logits[b * nodes + t : b * nodes + t + 1])[0]
             torch.testing.assert_close(got[b * nodes + t], want)
     assert not torch.equal(got[:nodes], logits[:nodes])  # the penalties did something
+
+
+def test_greedy_tokens_is_argmax_on_ties_nan_and_inf():
+    """greedy_tokens (max(dim), faster on CPU) picks what torch.argmax picks: the first maximum, the
+    first NaN, index 0 of an all -inf row; on random rows with many ties too."""
+    from treespec.sampling import greedy_tokens
+
+    x = torch.zeros(4, 10)
+    x[0, 3] = x[0, 7] = 1.0
+    x[1, 2] = x[1, 5] = float("nan")
+    x[2] = float("-inf")
+    x[3, 9] = float("inf")
+    assert greedy_tokens(x).tolist() == x.argmax(-1).tolist() == [3, 2, 0, 9]
+    g = torch.Generator().manual_seed(0)
+    ties = torch.randint(0, 3, (64, 4099), generator=g).float()
+    assert torch.equal(greedy_tokens(ties), ties.argmax(-1))
