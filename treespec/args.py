@@ -37,7 +37,9 @@ NGRAM_DEFAULT_DRAFT_TOKENS = 4
 EAGLE_ONLY_FLAGS = {"speculative_draft_model_path": "--speculative-draft-model-path",
                     "speculative_num_steps": "--speculative-num-steps",
                     "speculative_eagle_topk": "--speculative-eagle-topk",
-                    "speculative_config": "--speculative-config"}
+                    "speculative_config": "--speculative-config",
+                    "speculative_draft_model_quantization": "--speculative-draft-model-quantization"}
+DRAFT_QUANTIZATIONS = ("none", "q8_0")  # --speculative-draft-model-quantization (treespec/models/block_quant.py)
 
 
 BLOCK_QUANT_ACTIVATIONS = ("fp32", "int8")  # --block-quant-activations; models/packed_linear.py checks it too
@@ -87,6 +89,8 @@ class ServerArgs:
     speculative_num_draft_tokens: int | None = None
     speculative_config: str | None = None  # JSON schedule: settings by running batch size
     speculative_draft_dtype: str = "auto"  # auto (= the target's) | float32 | bfloat16 | float16
+    # q8_0: the head's matmul weights in 8-bit blocks; None: q8_0 with a shipped head, else "none"
+    speculative_draft_model_quantization: str | None = None
     # EAGLE heads: hot-token list (FR-Spec) the draft picks from; "none" turns off a shipped head's list
     speculative_token_map: str | None = None
     # NGRAM: drafts from a trie of the n-grams in all requests' text (treespec/speculative/ngram_cache.py)
@@ -127,6 +131,8 @@ class ServerArgs:
         _check(self.dtype == "auto" or self.dtype in DTYPE_NAMES, "--dtype", f"unknown dtype {self.dtype!r}")
         _check(self.speculative_draft_dtype == "auto" or self.speculative_draft_dtype in DTYPE_NAMES,
                "--speculative-draft-dtype", f"unknown dtype {self.speculative_draft_dtype!r}")
+        _check(self.speculative_draft_model_quantization in (None, *DRAFT_QUANTIZATIONS),
+               "--speculative-draft-model-quantization", f"must be one of {', '.join(DRAFT_QUANTIZATIONS)}")
         _check(self.context_length is None or self.context_length > 0, "--context-length", "must be positive")
         _check(self.max_total_tokens is None or self.max_total_tokens > 0, "--max-total-tokens", "must be positive")
         _check(self.max_running_requests > 0, "--max-running-requests", "must be positive")
@@ -154,13 +160,18 @@ class ServerArgs:
         algo = spec["speculative_algorithm"]
         _check(not hybrid or algo in ("EAGLE", "EAGLE3"), "--speculative-hybrid-ngram-tokens",
                f"applies to EAGLE / EAGLE3 only (the algorithm here is {algo})")
+        quantization = self.speculative_draft_model_quantization
+        _check(quantization is None or algo in ("EAGLE", "EAGLE3"),
+               "--speculative-draft-model-quantization", f"applies to EAGLE / EAGLE3 only (the algorithm here is {algo})")
+        shipped = drafts.shipped_draft_path(algo) if algo in ("EAGLE", "EAGLE3") else None
+        uses_shipped = shipped is not None and spec["speculative_draft_model_path"] == str(shipped)
         if hybrid is None:  # tuned with the shipped heads' tuned settings only; a shape given pins the tree
-            shipped = drafts.shipped_draft_path(algo) if algo in ("EAGLE", "EAGLE3") else None
-            uses_shipped = shipped is not None and spec["speculative_draft_model_path"] == str(shipped)
             shape_given = (self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens,
                            self.speculative_config) != (None, None, None, None)
             hybrid = drafts.TUNED_HYBRID_NGRAM_TOKENS.get(algo, 0) if uses_shipped and not shape_given else 0
         spec["speculative_hybrid_ngram_tokens"] = hybrid
+        if algo in ("EAGLE", "EAGLE3") and quantization is None:  # measured on the shipped heads only
+            spec["speculative_draft_model_quantization"] = "q8_0" if uses_shipped else "none"
         return ResolvedArgs(**{**dataclasses.asdict(self), **spec})
 
     def _check_data_parallel(self) -> None:
@@ -328,6 +339,10 @@ FLAG_HELP = {
     "speculative_num_draft_tokens": "tree nodes verified per step, the root included (NGRAM default: 8)",
     "speculative_config": "JSON schedule of speculative settings by running batch size",
     "speculative_draft_dtype": "auto (= the target's) | float32 | bfloat16 | float16",
+    "speculative_draft_model_quantization": "EAGLE/EAGLE3: none | q8_0; q8_0 rounds the draft head's matmul "
+                                            "weights to 8-bit blocks of 32 (GGUF Q8_0) on CPU: faster draft "
+                                            "forwards; the target decides every token, so outputs do not change "
+                                            "(default: q8_0 with the shipped heads, else none)",
     "speculative_token_map": "EAGLE: hot-token list the draft picks from; none turns off a shipped head's list",
     "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix of the context matched against the n-gram cache",
     "speculative_ngram_max_match_window_size": "NGRAM: longest suffix of the context matched (the longest match wins)",

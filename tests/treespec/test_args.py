@@ -80,6 +80,7 @@ def test_tree_shape_rules_come_from_shapes_py(monkeypatch):
     ("speculative_algorithm", "MEDUSA", "--speculative-algorithm"), ("port", 70000, "--port"),
     ("max_total_tokens", 0, "--max-total-tokens"), ("device", "tpu", "--device"),
     ("speculative_draft_dtype", "int8", "--speculative-draft-dtype"), ("num_threads", 0, "--num-threads"),
+    ("speculative_draft_model_quantization", "q4_0", "--speculative-draft-model-quantization"),
 ])
 def test_bad_values_name_the_flag(field, value, flag):
     with pytest.raises(ArgError, match=f"^{flag}"):
@@ -271,3 +272,19 @@ def test_ngram_cli_flags_parse():
                                 "--speculative-ngram-max-match-window-size", "6"])
     assert (args.speculative_algorithm, args.speculative_ngram_capacity,
             args.speculative_ngram_max_match_window_size) == ("NGRAM", 5000, 6)
+
+
+@pytest.mark.parametrize("algorithm", ["NONE", "NGRAM"])
+def test_draft_quantization_needs_a_draft_head(algorithm):
+    with pytest.raises(ArgError, match="^--speculative-draft-model-quantization"):
+        ServerArgs(speculative_algorithm=algorithm, speculative_draft_model_quantization="q8_0").resolve()
+
+
+def test_draft_quantization_defaults_to_q8_0_for_the_shipped_head_only(tmp_path):
+    shipped = ServerArgs(speculative_algorithm="EAGLE3").resolve()
+    assert shipped.speculative_draft_model_quantization == "q8_0"
+    kept = ServerArgs(speculative_algorithm="EAGLE3", speculative_draft_model_quantization="none").resolve()
+    assert kept.speculative_draft_model_quantization == "none"
+    own = ServerArgs(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path)).resolve()
+    assert own.speculative_draft_model_quantization == "none"
+    assert ServerArgs(speculative_algorithm="NONE").resolve().speculative_draft_model_quantization is None

@@ -60,6 +60,20 @@ class BlockQuant:
         return BlockQuant(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scales", "mins")))
 
 
+def quantize_q8_0(weight: torch.Tensor) -> BlockQuant:
+    """`weight` [N, K] (K a multiple of 32) rounded to GGUF Q8_0: per block of 32, an fp16 scale
+    max|w| / 127 and codes round(w / scale) in [-127, 127] (stored shifted by 128, min = -128 * scale, as
+    `from_gguf` stores Q8_0). Lossy: the caller uses `dequantize()` as the weight from then on."""
+    n, k = weight.shape
+    if k % BLOCK:
+        raise ValueError(f"Q8_0 needs an input size that is a multiple of {BLOCK}, got {k}")
+    blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    scales = (blocks.abs().amax(-1) / 127).to(torch.float16)
+    step = scales.float()[..., None]
+    codes = torch.where(step > 0, torch.round(blocks / torch.where(step > 0, step, 1.0)), 0.0).clamp(-127, 127)
+    return BlockQuant((codes + 128).to(torch.uint8).reshape(n, k), scales, (scales.float() * -128).to(torch.float16))
+
+
 def from_gguf(raw: np.ndarray, type_name: str, rows: int, cols: int) -> BlockQuant | None:
     """The blocks of one GGUF tensor (GGUFReader's raw uint8 data, `rows` x `cols` weights), or None
     for a type without 32-blocks of scale * code + min (f32, f16, K-quants...)."""

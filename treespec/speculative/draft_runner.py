@@ -4,21 +4,23 @@ attention backend; plus the two kinds of draft batches (extend over verified tok
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from treespec.attention.metadata import AttentionMetadata, build_metadata
 from treespec.attention.select import create_attn_backend
 from treespec.forward_batch import ForwardBatch, ForwardContext, ForwardMode, ModelOutput
 from treespec.mem.kv_pool import KVPool
 from treespec.model_runner import ModelRunner
+from treespec.models.block_quant import BLOCK, BlockQuant, quantize_q8_0
 from treespec.models.draft_config import DraftHeadError
 from treespec.models.draft_loader import DraftModel, load_draft_model, load_token_map
 from treespec.models.layers import use_cpu_kernels
-from treespec.models.packed_linear import pack_linears, pack_weight
+from treespec.models.packed_linear import pack_linears, pack_weight, packing_layout
 
 
 class DraftRunner:
     def __init__(self, draft_path: str, algorithm: str, target: ModelRunner, dtype: torch.dtype | None = None,
-                 token_map_path: str | None = None) -> None:
+                 token_map_path: str | None = None, quantization: str | None = None) -> None:
         # The draft may run in a cheaper dtype than the target: verification by the target keeps the
         # output exact whatever the draft proposes; only the accept rate can move.
         self.device, self.dtype = target.device, dtype or target.dtype
@@ -47,9 +49,16 @@ class DraftRunner:
             if model.algorithm != "EAGLE":
                 raise ValueError("--speculative-token-map applies to EAGLE heads; EAGLE-3 heads bring their own")
             self.model.restrict_vocab(load_token_map(token_map_path, tcfg.vocab_size))
-        if target.packed_linear and pack_linears(self.model, self.device, self.dtype):
+        # --speculative-draft-model-quantization q8_0: the head's own matmul weights become their Q8_0
+        # rounding (fp32 values of 8-bit blocks), which the block-quant kernels stream at half a bf16
+        # panel's bytes. Only where those kernels run (fp32 packed panels on CPU); the draft only proposes.
+        quantize = quantization == "q8_0" and target.packed_linear and packing_layout(self.device, self.dtype) == "panel"
+        quants = round_to_q8_0(self.model) if quantize else {}
+        if target.packed_linear and pack_linears(self.model, self.device, self.dtype, quants):
             shared = self.model.uses_target_head and self.dtype == target.dtype and target.tp is None
-            self.model.packed_head = target.model.packed_lm_head if shared else pack_weight(self.model.head_weight)
+            head = self.model.head_weight
+            self.model.packed_head = (target.model.packed_lm_head if shared
+                                      else pack_weight(head, block_quant=quants.get("lm_head")))
             use_cpu_kernels(self.model)
         self.config = dcfg
         self.kv_pool = KVPool(target.kv_pool.size, dcfg.num_layers, dcfg.num_kv_heads, dcfg.head_dim,
@@ -104,3 +113,18 @@ def draft_tree_step_batch(
         out_cache_loc=step_slots[-1].reshape(-1).to(device),
         attn=build_metadata([k] * bs, kv_lists, masks, device=device), input_hidden=hidden,
     )
+
+
+def round_to_q8_0(model: nn.Module) -> dict[str, BlockQuant]:
+    """Round each nn.Linear weight (input size a multiple of 32) and the model's own lm_head to Q8_0 in
+    place; returns their block quants by module name ("lm_head" for the head) for packing."""
+    quants: dict[str, BlockQuant] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and module.in_features % BLOCK == 0:
+            quants[name] = quantize_q8_0(module.weight)
+            module.weight.data = quants[name].dequantize().to(module.weight.dtype)
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, nn.Parameter) and head.shape[-1] % BLOCK == 0:
+        quants["lm_head"] = quantize_q8_0(head)
+        head.data = quants["lm_head"].dequantize().to(head.dtype)
+    return quants

@@ -92,7 +92,8 @@ class EagleWorker:
                 args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
         self.target = target_runner
         self.draft = DraftRunner(args.speculative_draft_model_path, args.speculative_algorithm, target_runner,
-                                 args.torch_draft_dtype(), args.speculative_token_map)
+                                 args.torch_draft_dtype(), args.speculative_token_map,
+                                 args.speculative_draft_model_quantization)
         self.req_to_token_pool, self.allocator = req_to_token_pool, allocator
         self.device = target_runner.device
         self.aux_order: torch.Tensor | None = None

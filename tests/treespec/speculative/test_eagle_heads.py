@@ -195,3 +195,39 @@ def test_token_map_missing_file_and_eagle3_head_name_the_flag(tmp_path, target) 
     (tmp_path / "ok.json").write_text("[1, 2, 3]")
     with pytest.raises(ValueError, match="--speculative-token-map applies to EAGLE heads"):
         DraftRunner(str(eagle3), "EAGLE3", target, token_map_path=str(tmp_path / "ok.json"))
+
+
+def test_q8_0_rounding_bounds_each_weight_and_reproduces_exactly() -> None:
+    from treespec.models.block_quant import quantize_q8_0
+
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(5, 96, generator=gen) * torch.logspace(-3, 1, 96)  # blocks of very different sizes
+    w[2, 32:64] = 0.0  # an all-zero block: scale 0, weights stay 0
+    quant = quantize_q8_0(w)
+    back = quant.dequantize()
+    step = quant.scales.float().repeat_interleave(32, dim=1)
+    assert bool(((back - w).abs() <= step * 0.5 + 1e-6 * w.abs()).all())
+    assert torch.equal(back[2, 32:64], torch.zeros(32)) and quant.reproduces(back)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_q8_0(torch.ones(2, 40))
+
+
+def test_q8_0_draft_head_streams_blocks_and_computes_its_rounded_weights(tmp_path, target) -> None:
+    """--speculative-draft-model-quantization q8_0: the head's linears and own lm_head are packed as 8-bit
+    blocks (where the block-quant kernels run), and the head computes what the published architecture
+    computes with each of those weights rounded to Q8_0."""
+    from treespec.models.block_quant import quantize_q8_0
+    from treespec.models.packed_linear import PackedLinear, packing_layout
+
+    state = eagle3_state(64, seed=4)
+    cfg = draft_config("LlamaForCausalLMEagle3", VOCAB, INTER, draft_vocab_size=64,
+                       eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]})
+    path = write_checkpoint(tmp_path / "eagle3", cfg, state)
+    runner = DraftRunner(str(path), "EAGLE3", target, quantization="q8_0")
+    rounded = {k: quantize_q8_0(v).dequantize() if k.endswith("proj.weight") or k in ("fc.weight", "lm_head.weight")
+               else v for k, v in state.items()}
+    assert sum(not torch.equal(rounded[k], state[k]) for k in state) == 9  # fc, 7 projections, lm_head
+    check_forward(runner, rounded, target, eagle3_reference)
+    if packing_layout(torch.device("cpu"), torch.float32) == "panel":
+        layouts = {m.packed.layout for m in runner.model.modules() if isinstance(m, PackedLinear)}
+        assert layouts == {"panel_quant"} and runner.model.packed_head.layout == "panel_quant"
