@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "avx2_math.h"
@@ -206,6 +207,22 @@ static UnitWork gather_unit(const Unit& u, const Request& req, const float* qp, 
 #include "cpu_attention_avx2_units.h"
 #include "cpu_attention_avx512.h"
 
+// fn(std::integral_constant<int, nc>) for nc = head_dim / 16 in 1..8 (the caller checks): the unit codes
+// are templates on it, so a head's chunks sit in registers.
+template <typename Fn>
+static void with_chunks(int64_t nc, Fn&& fn) {
+  switch (nc) {
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    case 4: return fn(std::integral_constant<int, 4>{});
+    case 5: return fn(std::integral_constant<int, 5>{});
+    case 6: return fn(std::integral_constant<int, 6>{});
+    case 7: return fn(std::integral_constant<int, 7>{});
+    default: return fn(std::integral_constant<int, 8>{});
+  }
+}
+
 // The unit paths (head_dim a multiple of 16, at most 128; AVX-512 or AVX2 code, the same bits): per request
 // the leading columns all its rows see and each row's visible columns after them; units of (request, KV
 // head, rows) over the threads.
@@ -261,8 +278,11 @@ static void attention_units(const std::vector<Request>& reqs, int64_t num_rows, 
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const auto& u = units[i];
-      const auto run = avx512 ? attention_avx512::run_unit_any : attention_avx2::run_unit_any;
-      run(pool.head_dim / 16, u, reqs[u.req], qp, q_row_stride, num_heads, pool, slots, shared[u.req], tails, scale, op);
+      with_chunks(pool.head_dim / 16, [&](auto chunks) {
+        constexpr int NC = decltype(chunks)::value;
+        const auto run = avx512 ? attention_avx512::run_unit<NC> : attention_avx2::run_unit<NC>;
+        run(u, reqs[u.req], qp, q_row_stride, num_heads, pool, slots, shared[u.req], tails, scale, op);
+      });
     }
   });
 }

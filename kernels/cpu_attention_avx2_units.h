@@ -141,20 +141,4 @@ static void run_unit(const Unit& u, const Request& req, const float* qp, int64_t
     weighted_sums_tile<NC>(order.data() + t0, std::min<int64_t>(kPvQueries, queries - t0), w.shared_v.data(), shared);
 }
 
-// run_unit for head_dim = 16 * nc, nc in 1..8 (the caller checks).
-static void run_unit_any(int64_t nc, const Unit& u, const Request& req, const float* qp, int64_t q_row_stride,
-                         int64_t num_heads, const Pool& pool, const int64_t* kv_slots, int64_t shared,
-                         const std::vector<std::vector<int64_t>>& own_slots, float scale, float* op) {
-  switch (nc) {
-    case 1: return run_unit<1>(u, req, qp, q_row_stride, num_heads, pool, kv_slots, shared, own_slots, scale, op);
-    case 2: return run_unit<2>(u, req, qp, q_row_stride, num_heads, pool, kv_slots, shared, own_slots, scale, op);
-    case 3: return run_unit<3>(u, req, qp, q_row_stride, num_heads, pool, kv_slots, shared, own_slots, scale, op);
-    case 4: return run_unit<4>(u, req, qp, q_row_stride, num_heads, pool, kv_slots, shared, own_slots, scale, op);
-    case 5: return run_unit<5>(u, req, qp, q_row_stride, num_heads, pool, kv_slots, shared, own_slots, scale, op);
-    case 6: return run_unit<6>(u, req, qp, q_row_stride, num_heads, pool, kv_slots, shared, own_slots, scale, op);
-    case 7: return run_unit<7>(u, req, qp, q_row_stride, num_heads, pool, kv_slots, shared, own_slots, scale, op);
-    default: return run_unit<8>(u, req, qp, q_row_stride, num_heads, pool, kv_slots, shared, own_slots, scale, op);
-  }
-}
-
 }  // namespace attention_avx2
