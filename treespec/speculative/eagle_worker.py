@@ -319,8 +319,8 @@ class EagleWorker:
         self.head_records.pop(req.rid, None)
         self.head_offered.pop(req.rid, None)
         cursor = self.ngram_text.pop(req.rid, None)
-        if cursor is not None and len(req.all_ids) > cursor.length:  # a request that speculated leaves the rest too
-            self.ngram.insert(req.all_ids, len(req.all_ids) - cursor.length, cursor)
+        if cursor is not None:  # a request that speculated leaves the rest of its text too
+            self.ngram.insert_rest(req.all_ids, cursor)
 
     def flush(self) -> None:
         """`/flush_cache` with no request in flight: forget past requests' text (the n-gram corpus) and
@@ -409,9 +409,7 @@ class EagleWorker:
         """Put each request's text since it last asked for drafts into the n-gram cache (its prompt, the
         first time)."""
         for req in reqs:
-            cursor = self.ngram_text.setdefault(req.rid, TextCursor())
-            if len(req.all_ids) > cursor.length:
-                self.ngram.insert(req.all_ids, len(req.all_ids) - cursor.length, cursor)
+            self.ngram.insert_rest(req.all_ids, self.ngram_text.setdefault(req.rid, TextCursor()))
 
     def _ngram_drafts(self, reqs: list[Req]) -> list:
         """The hybrid's n-gram drafts, each within its request's budget (its text inserted first)."""

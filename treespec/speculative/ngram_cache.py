@@ -103,6 +103,11 @@ class NgramCache:
             self._insert_from_root(tokens, first_new, cursor)
         self._evict()
 
+    def insert_rest(self, tokens: Sequence[int], cursor: TextCursor) -> None:
+        """Insert what of `tokens` the request's `cursor` has not seen yet (all of it the first time)."""
+        if len(tokens) > cursor.length:
+            self.insert(tokens, len(tokens) - cursor.length, cursor)
+
     def _insert_from_root(self, tokens: Sequence[int], first_new: int, cursor: TextCursor | None) -> None:
         """Every n-gram that ends at a new token, walked from the root, each path touched deepest first."""
         length = len(tokens)
@@ -156,16 +161,12 @@ class NgramCache:
             self._created += 1
             if self._free:
                 child = self._free.pop()
-                self.token[child], self.count[child], self.tick[child] = token, 0, 0
-                self.parent[child], self.serial[child], self.children[child] = node, self._created, None
-            else:
+            else:  # a new id: every column grows by one
                 child = len(self.token)
-                self.token.append(token)
-                self.count.append(0)
-                self.tick.append(0)
-                self.parent.append(node)
-                self.serial.append(self._created)
-                self.children.append(None)
+                for column in (self.token, self.count, self.tick, self.parent, self.serial, self.children):
+                    column.append(None)
+            self.token[child], self.count[child], self.tick[child] = token, 0, 0
+            self.parent[child], self.serial[child], self.children[child] = node, self._created, None
             if children is None:
                 children = self.children[node] = {}
             children[token] = child
