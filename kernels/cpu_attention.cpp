@@ -204,6 +204,16 @@ static UnitWork gather_unit(const Unit& u, const Request& req, const float* qp, 
   return w;
 }
 
+// fn(std::integral_constant<int, t>) for the largest t <= T that is at most count (count >= 1): a unit's
+// weighted sums run queries in tiles of a compile-time size, the last tile smaller.
+template <int T, typename Fn>
+static void with_tile(int64_t count, Fn&& fn) {
+  if constexpr (T > 1) {
+    if (count < T) return with_tile<T - 1>(count, fn);
+  }
+  fn(std::integral_constant<int, T>{});
+}
+
 #include "cpu_attention_avx2_units.h"
 #include "cpu_attention_avx512.h"
 

@@ -13,7 +13,7 @@
 // - softmax is `softmax_in_place` itself;
 // - each output element is one fma chain over the query's dense list of visible columns in order, then
 //   times 1 / sum, as `weighted_sum` and `attend` do.
-// Included by cpu_attention.cpp after Pool, Request, Unit, UnitWork, prefetch_row and softmax_in_place.
+// Included by cpu_attention.cpp after Pool, Request, Unit, UnitWork, with_tile, prefetch_row and softmax_in_place.
 
 namespace attention_avx2 {
 
@@ -100,14 +100,6 @@ static void weighted_sums(Query* const* qs, const float* const* shared_v, int64_
   }
 }
 
-template <int NC, int T = kPvQueries>
-static void weighted_sums_tile(Query* const* qs, int64_t count, const float* const* shared_v, int64_t shared) {
-  if constexpr (T > 1) {
-    if (count < T) return weighted_sums_tile<NC, T - 1>(qs, count, shared_v, shared);
-  }
-  weighted_sums<NC, T>(qs, shared_v, shared);
-}
-
 // A unit's attention: its queries score the shared columns 8 at a time (a block's K rows read from memory
 // once, then from L1 for the other queries), then their own; softmax; weighted sums of V in tiles of
 // queries.
@@ -138,7 +130,9 @@ static void run_unit(const Unit& u, const Request& req, const float* qp, int64_t
   std::vector<Query*> order(queries);
   for (int64_t t = 0; t < queries; ++t) order[t] = &w.qs[t];
   for (int64_t t0 = 0; t0 < queries; t0 += kPvQueries)
-    weighted_sums_tile<NC>(order.data() + t0, std::min<int64_t>(kPvQueries, queries - t0), w.shared_v.data(), shared);
+    with_tile<kPvQueries>(queries - t0, [&](auto tile) {
+      weighted_sums<NC, decltype(tile)::value>(order.data() + t0, w.shared_v.data(), shared);
+    });
 }
 
 }  // namespace attention_avx2

@@ -16,7 +16,7 @@
 //   computes each element alone).
 // Every query still attends to its own dense list of visible columns (the shared prefix first, then its
 // own visible columns after it), so a tree-verify row equals the decode of its path, as before.
-// Included by cpu_attention.cpp after Pool, Request, Unit, OwnColumns, Query, prefetch_row and softmax_in_place.
+// Included by cpu_attention.cpp after Pool, Request, Unit, UnitWork, with_tile, prefetch_row and softmax_in_place.
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
@@ -166,14 +166,6 @@ static void weighted_sums(Query* const* qs, const float* const* shared_v, int64_
   }
 }
 
-template <int NC, int T = kPvRegisters / NC>
-static void weighted_sums_tile(Query* const* qs, int64_t count, const float* const* shared_v, int64_t shared) {
-  if constexpr (T > 1) {
-    if (count < T) return weighted_sums_tile<NC, T - 1>(qs, count, shared_v, shared);
-  }
-  weighted_sums<NC, T>(qs, shared_v, shared);
-}
-
 // A unit's attention: its queries score the shared columns block by block (a block's K rows read from
 // memory once, then from L1 for the other queries), then their own; softmax; weighted sums of V in
 // tiles of queries.
@@ -211,7 +203,9 @@ static void run_unit(const Unit& u, const Request& req, const float* qp, int64_t
   for (int64_t t = 0; t < queries; ++t) order[t] = &qs[t];
   constexpr int64_t kTile = kPvRegisters / NC;
   for (int64_t t0 = 0; t0 < queries; t0 += kTile)
-    weighted_sums_tile<NC>(order.data() + t0, std::min<int64_t>(kTile, queries - t0), shared_v.data(), shared);
+    with_tile<kTile>(queries - t0, [&](auto tile) {
+      weighted_sums<NC, decltype(tile)::value>(order.data() + t0, shared_v.data(), shared);
+    });
 }
 
 }  // namespace attention_avx512
