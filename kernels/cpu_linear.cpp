@@ -249,7 +249,7 @@ struct VI {
 // Codes shifted down and converted: with 16 registers the in-place scales of the AVX-512 code spill,
 // and the conversion measured faster here than the 2^23 trick (bench_cpu_linear, TREESPEC_CPU_QUANT_ISA=avx2)
 constexpr bool kCodesInPlace = false;
-constexpr int kWideRows = 0;  // no row tile past kQuantChains
+constexpr int kMaxTileRows = kQuantChains;  // verify tiles of at most 4 rows
 // Verify tiles of 4 and 3 rows take one panel: 4 x 2 in 16 ymm registers measured mixed on the Intel
 // host (3-4 rows 9-17 % faster, 8 rows 6 % slower) and was not measured on an AVX2-only host.
 constexpr int kVerifyPanels = 1;
@@ -290,11 +290,13 @@ struct VI {
   __m512i v;
 };
 constexpr bool kCodesInPlace = true;
-constexpr int kWideRows = 8;  // 8-row verify tiles: 8 accumulators beside the rebuild (12 spilled: 2x slower)
-// Verify tiles of 4 and 3 rows span both panels of a group: 8 (6) fma chains in flight instead of 4 (3),
-// enough to cover the fma latency on two ports, and one contiguous code stream. A step's matmuls on
-// the Intel host: 3 rows 8.5 -> 6.5 ms, 4 rows 8.8 -> 7.2, 5-7 rows 11.8-14.1 -> 9.3-10.0; same bits.
+// Verify tiles of 3 and more rows span both panels of a group: 2 x ROWS fma chains in flight, enough to
+// cover the fma latency on two ports, and one contiguous code stream. Up to 8 rows a tile (16
+// accumulators beside the rebuild; 12 x 1 spilled and ran 2x slower). A step's matmuls on the Intel host
+// (bench_cpu_linear.py, panel_q4): 5 rows 9.3 -> 7.2 ms, 6 9.7 -> 7.5, 7 10.8 -> 8.0, 8 11.1 -> 9.3
+// against 4 x 2 tiles plus a remainder and 8 x 1 tiles; 4 rows 7.2; same bits.
 constexpr int kVerifyPanels = 2;
+constexpr int kMaxTileRows = 8;
 static inline VI vwords(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
 static inline VI vhigh16(VI w) { return {_mm512_srli_epi32(w.v, 16)}; }
 static inline VI vshift(VI w, int bits) { return {_mm512_srli_epi32(w.v, bits)}; }
