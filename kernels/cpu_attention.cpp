@@ -357,6 +357,8 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_buf, cons
 // rotated in place, the rotated k heads and the v heads are written to k_buf / v_buf at slots loc [T].
 // cos / sin [T, D] are the rotate-half tables with the sign folded into sin (models/layers.py):
 // x * cos + roll(x, D / 2) * sin, element by element (no element depends on the rest of the batch).
+constexpr int64_t kMaxRopeDim = 512;  // rope_store's stack row
+
 void rope_store(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& loc,
                 torch::Tensor& k_buf, torch::Tensor& v_buf, int64_t num_heads) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == torch::kFloat32, "rope_store: qkv must be contiguous fp32 [T, width]");
@@ -374,19 +376,21 @@ void rope_store(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tenso
   const int64_t* slots = loc.data_ptr<int64_t>();
   float *kp = k_buf.data_ptr<float>(), *vp = v_buf.data_ptr<float>();
   const int64_t width = qkv.size(1), kv_stride = num_kv_heads * head_dim, slot_count = k_buf.size(0);
-  std::vector<float> rotated(head_dim);
+  TORCH_CHECK(head_dim <= kMaxRopeDim, "rope_store: head_dim above ", kMaxRopeDim);
+  float rotated[kMaxRopeDim];
   for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(slots[t] >= 0 && slots[t] < slot_count, "rope_store: slot out of range");
     float* row = x + t * width;
     const float *c = cp + t * head_dim, *s = sp + t * head_dim;
     for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
       float* head = row + h * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) {
-        const float prod_cos = head[d] * c[d], prod_sin = head[(d + half) % head_dim] * s[d];
-        rotated[d] = prod_cos + prod_sin;
-      }
+      // x * cos + roll(x, half) * sin, as two loops over the halves: the same expression per element
+      // (the same bits), but no modulo in the index, so the compiler vectorizes them (a 9-row verify
+      // spent ~25 us a layer here)
+      for (int64_t d = 0; d < half; ++d) rotated[d] = head[d] * c[d] + head[d + half] * s[d];
+      for (int64_t d = half; d < head_dim; ++d) rotated[d] = head[d] * c[d] + head[d - half] * s[d];
       float* dst = h < num_heads ? head : kp + slots[t] * kv_stride + (h - num_heads) * head_dim;
-      std::copy(rotated.begin(), rotated.end(), dst);
+      std::copy(rotated, rotated + head_dim, dst);
     }
     std::copy(row + (num_heads + num_kv_heads) * head_dim, row + width, vp + slots[t] * kv_stride);
   }
