@@ -102,6 +102,7 @@ class EagleWorker:
             layers = self.draft.model.capture_layers(target_runner.config.num_layers)
             self.target_capture_layers = tuple(sorted(set(layers)))
             self.aux_order = torch.tensor([self.target_capture_layers.index(i) for i in layers])
+        self.aux_in_order = self.aux_order is not None and self.aux_order.tolist() == list(range(len(self.aux_order)))
         # rid -> (draft logits, draft hidden state) at the request's position kv_len - 1
         self.draft_states: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         # rid -> plain-step tokens whose draft extend has not run yet (positions in order, contiguous)
@@ -130,6 +131,8 @@ class EagleWorker:
             feats = output.hidden_states
             return feats if rows is None else feats[rows]
         aux = output.aux_hidden_states if rows is None else output.aux_hidden_states[rows]
+        if self.aux_in_order:  # the shipped heads: captured in fc order already, no copy (every plain step)
+            return aux
         width = aux.shape[-1] // len(self.target_capture_layers)
         return aux.view(aux.shape[0], -1, width)[:, self.aux_order.to(aux.device)].reshape(aux.shape[0], -1)
 
