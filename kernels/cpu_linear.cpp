@@ -249,7 +249,11 @@ struct VI {
 // Codes shifted down and converted: with 16 registers the in-place scales of the AVX-512 code spill,
 // and the conversion measured faster here than the 2^23 trick (bench_cpu_linear, TREESPEC_CPU_QUANT_ISA=avx2)
 constexpr bool kCodesInPlace = false;
-constexpr int kMaxTileRows = kQuantChains;  // verify tiles of at most 4 rows
+// Verify tiles of up to 6 rows (one panel): their 10-12 accumulators and the rebuild spill a few of the
+// 16 registers, yet rebuilding each weight once for 5 or 6 rows beat 4 + 1 and 4 + 2 tiles (the AVX2 code
+// on the Intel host, panel_q4: 5 rows 16.3 -> 12.2 ms, 6 rows 17.7 -> 13.6; not measured on an AVX2-only
+// host). 7 x 1 measured faster again (15.5 vs 18.5 ms) and 8 x 1 even with 4 + 4, but with more spills.
+constexpr int kMaxTileRows = 6;
 // Verify tiles of 4 and 3 rows take one panel: 4 x 2 in 16 ymm registers measured mixed on the Intel
 // host (3-4 rows 9-17 % faster, 8 rows 6 % slower) and was not measured on an AVX2-only host.
 constexpr int kVerifyPanels = 1;

@@ -123,7 +123,8 @@ static void tiles(const float* x, int64_t k_dim, const uint8_t* data, int64_t bl
 }
 
 // One tile of `count` rows (1 .. kMaxTileRows) against panels [p0, p1). Every tile above 2 rows spans
-// kVerifyPanels panels; the 5- to 8-row tiles exist only where kMaxTileRows reaches them (AVX-512).
+// kVerifyPanels panels; the 5- to 8-row tiles exist only where kMaxTileRows reaches them (AVX-512: 8,
+// AVX2: 6).
 template <int BITS>
 static void row_tile(int64_t count, const float* x, int64_t k_dim, const uint8_t* data, int64_t block_bytes,
                      float* y, int64_t ldy, const float* bias, int64_t n, int64_t p0, int64_t p1) {
@@ -131,6 +132,11 @@ static void row_tile(int64_t count, const float* x, int64_t k_dim, const uint8_t
     switch (count) {
       case 8: return tiles<BITS, 8, kVerifyPanels>(x, k_dim, data, block_bytes, y, ldy, bias, n, p0, p1);
       case 7: return tiles<BITS, 7, kVerifyPanels>(x, k_dim, data, block_bytes, y, ldy, bias, n, p0, p1);
+      default: break;
+    }
+  }
+  if constexpr (kMaxTileRows >= 6) {
+    switch (count) {
       case 6: return tiles<BITS, 6, kVerifyPanels>(x, k_dim, data, block_bytes, y, ldy, bias, n, p0, p1);
       case 5: return tiles<BITS, 5, kVerifyPanels>(x, k_dim, data, block_bytes, y, ldy, bias, n, p0, p1);
       default: break;
@@ -149,7 +155,8 @@ static void row_tile(int64_t count, const float* x, int64_t k_dim, const uint8_t
 // from memory once and stay in cache for the remaining row tiles. A decode row takes one group (2
 // panels) at a time: the tile then reads one contiguous stream, which the hardware prefetcher keeps
 // ahead of; tiles over two groups (two streams a core) measured 15-20% slower. Verify rows are split
-// into the fewest tiles of at most kMaxTileRows, as even as can be (AVX-512: 9 rows = 5 + 4, 13 = 7 + 6):
+// into the fewest tiles of at most kMaxTileRows, as even as can be (AVX-512: 9 rows = 5 + 4, 13 = 7 + 6;
+// AVX2: 9 = 5 + 4, 13 = 5 + 4 + 4):
 // each tile rebuilds every weight once, so fewer, fuller tiles rebuild less.
 template <int BITS>
 static void quant_rows(const float* x, int64_t rows, int64_t k_dim, const uint8_t* data, int64_t block_bytes,
