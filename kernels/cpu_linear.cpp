@@ -324,9 +324,11 @@ static inline void vstore(float* p, V v) { _mm512_store_ps(p, v.v); }
 // rows): the same fp32 weights (fma(scale, code, min), rounded once) and the same fma chains over k in
 // order, so the same bits as the quant tiles and as `linear` on the dequantized weight.
 constexpr int64_t kRebuiltRows = 32;
-// With the zmm tile (fp32_avx512) the rebuilt path wins from ~20 rows (bench_cpu_linear, Sapphire Rapids:
-// 24 rows 32 vs 37 ms a step's matmuls, 16 rows 28 vs 26)
-constexpr int64_t kRebuiltRowsAvx512 = 20;
+// With the zmm tile (fp32_avx512) the rebuilt path wins from ~48 rows since the quant tiles take up to 8
+// rows each (bench_cpu_linear, Sapphire Rapids, a step's matmuls, quant tiles vs rebuilt: 20 rows 23.0 vs
+// 27.4 ms, 32 rows 34.0 vs 36.8, 40 rows 41.9 vs 46.1, 48 rows 51.1 vs 50.8, 64 rows 71.2 vs 68.9; it was 20
+// rows with 4-row tiles)
+constexpr int64_t kRebuiltRowsAvx512 = 48;
 
 // The fp32 [k_dim, 16] panels of group `group` (both of them; panels past the weight's last are
 // zeros' rebuilds and never read back). AVX2: 8 columns a vector, each weight fma(scale, code, min) as
