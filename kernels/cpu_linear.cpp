@@ -249,11 +249,7 @@ struct VI {
 // Codes shifted down and converted: with 16 registers the in-place scales of the AVX-512 code spill,
 // and the conversion measured faster here than the 2^23 trick (bench_cpu_linear, TREESPEC_CPU_QUANT_ISA=avx2)
 constexpr bool kCodesInPlace = false;
-// Verify tiles of up to 6 rows (one panel): their 10-12 accumulators and the rebuild spill a few of the
-// 16 registers, yet rebuilding each weight once for 5 or 6 rows beat 4 + 1 and 4 + 2 tiles (the AVX2 code
-// on the Intel host, panel_q4: 5 rows 16.3 -> 12.2 ms, 6 rows 17.7 -> 13.6; not measured on an AVX2-only
-// host). 7 x 1 measured faster again (15.5 vs 18.5 ms) and 8 x 1 even with 4 + 4, but with more spills.
-constexpr int kMaxTileRows = 6;
+constexpr int kWideRows = 0;  // no row tile past kQuantChains
 // Verify tiles of 4 and 3 rows take one panel: 4 x 2 in 16 ymm registers measured mixed on the Intel
 // host (3-4 rows 9-17 % faster, 8 rows 6 % slower) and was not measured on an AVX2-only host.
 constexpr int kVerifyPanels = 1;
@@ -294,13 +290,11 @@ struct VI {
   __m512i v;
 };
 constexpr bool kCodesInPlace = true;
-// Verify tiles of 3 and more rows span both panels of a group: 2 x ROWS fma chains in flight, enough to
-// cover the fma latency on two ports, and one contiguous code stream. Up to 8 rows a tile (16
-// accumulators beside the rebuild; 12 x 1 spilled and ran 2x slower). A step's matmuls on the Intel host
-// (bench_cpu_linear.py, panel_q4): 5 rows 9.3 -> 7.2 ms, 6 9.7 -> 7.5, 7 10.8 -> 8.0, 8 11.1 -> 9.3
-// against 4 x 2 tiles plus a remainder and 8 x 1 tiles; 4 rows 7.2; same bits.
+constexpr int kWideRows = 8;  // 8-row verify tiles: 8 accumulators beside the rebuild (12 spilled: 2x slower)
+// Verify tiles of 4 and 3 rows span both panels of a group: 8 (6) fma chains in flight instead of 4 (3),
+// enough to cover the fma latency on two ports, and one contiguous code stream. A step's matmuls on
+// the Intel host: 3 rows 8.5 -> 6.5 ms, 4 rows 8.8 -> 7.2, 5-7 rows 11.8-14.1 -> 9.3-10.0; same bits.
 constexpr int kVerifyPanels = 2;
-constexpr int kMaxTileRows = 8;
 static inline VI vwords(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
 static inline VI vhigh16(VI w) { return {_mm512_srli_epi32(w.v, 16)}; }
 static inline VI vshift(VI w, int bits) { return {_mm512_srli_epi32(w.v, bits)}; }
@@ -324,11 +318,9 @@ static inline void vstore(float* p, V v) { _mm512_store_ps(p, v.v); }
 // rows): the same fp32 weights (fma(scale, code, min), rounded once) and the same fma chains over k in
 // order, so the same bits as the quant tiles and as `linear` on the dequantized weight.
 constexpr int64_t kRebuiltRows = 32;
-// With the zmm tile (fp32_avx512) the rebuilt path wins from ~48 rows since the quant tiles take up to 8
-// rows each (bench_cpu_linear, Sapphire Rapids, a step's matmuls, quant tiles vs rebuilt: 20 rows 23.0 vs
-// 27.4 ms, 32 rows 34.0 vs 36.8, 40 rows 41.9 vs 46.1, 48 rows 51.1 vs 50.8, 64 rows 71.2 vs 68.9; it was 20
-// rows with 4-row tiles)
-constexpr int64_t kRebuiltRowsAvx512 = 48;
+// With the zmm tile (fp32_avx512) the rebuilt path wins from ~20 rows (bench_cpu_linear, Sapphire Rapids:
+// 24 rows 32 vs 37 ms a step's matmuls, 16 rows 28 vs 26)
+constexpr int64_t kRebuiltRowsAvx512 = 20;
 
 // The fp32 [k_dim, 16] panels of group `group` (both of them; panels past the weight's last are
 // zeros' rebuilds and never read back). AVX2: 8 columns a vector, each weight fma(scale, code, min) as

@@ -122,52 +122,29 @@ static void tiles(const float* x, int64_t k_dim, const uint8_t* data, int64_t bl
                         n - p * kPanel);
 }
 
-// One tile of `count` rows (1 .. kMaxTileRows) against panels [p0, p1). Every tile above 2 rows spans
-// kVerifyPanels panels; the 5- to 8-row tiles exist only where kMaxTileRows reaches them (AVX-512: 8,
-// AVX2: 6).
-template <int BITS>
-static void row_tile(int64_t count, const float* x, int64_t k_dim, const uint8_t* data, int64_t block_bytes,
-                     float* y, int64_t ldy, const float* bias, int64_t n, int64_t p0, int64_t p1) {
-  if constexpr (kMaxTileRows >= 8) {
-    switch (count) {
-      case 8: return tiles<BITS, 8, kVerifyPanels>(x, k_dim, data, block_bytes, y, ldy, bias, n, p0, p1);
-      case 7: return tiles<BITS, 7, kVerifyPanels>(x, k_dim, data, block_bytes, y, ldy, bias, n, p0, p1);
-      default: break;
-    }
-  }
-  if constexpr (kMaxTileRows >= 6) {
-    switch (count) {
-      case 6: return tiles<BITS, 6, kVerifyPanels>(x, k_dim, data, block_bytes, y, ldy, bias, n, p0, p1);
-      case 5: return tiles<BITS, 5, kVerifyPanels>(x, k_dim, data, block_bytes, y, ldy, bias, n, p0, p1);
-      default: break;
-    }
-  }
-  switch (count) {
-    case 4: return tiles<BITS, 4, kVerifyPanels>(x, k_dim, data, block_bytes, y, ldy, bias, n, p0, p1);
-    case 3: return tiles<BITS, 3, kVerifyPanels>(x, k_dim, data, block_bytes, y, ldy, bias, n, p0, p1);
-    case 2: return tiles<BITS, 2, 2>(x, k_dim, data, block_bytes, y, ldy, bias, n, p0, p1);
-    case 1: return tiles<BITS, 1, 2>(x, k_dim, data, block_bytes, y, ldy, bias, n, p0, p1);
-    default: break;
-  }
-}
-
 // All rows against panels [begin, end), kQuantChains panels at a time so each chunk's codes are read
 // from memory once and stay in cache for the remaining row tiles. A decode row takes one group (2
 // panels) at a time: the tile then reads one contiguous stream, which the hardware prefetcher keeps
-// ahead of; tiles over two groups (two streams a core) measured 15-20% slower. Verify rows are split
-// into the fewest tiles of at most kMaxTileRows, as even as can be (AVX-512: 9 rows = 5 + 4, 13 = 7 + 6;
-// AVX2: 9 = 5 + 4, 13 = 5 + 4 + 4):
-// each tile rebuilds every weight once, so fewer, fuller tiles rebuild less.
+// ahead of; tiles over two groups (two streams a core) measured 15-20% slower. Verify rows take
+// 8 x 1 (AVX-512 only), 4 x kVerifyPanels, 3 x kVerifyPanels, 2 x 2 and 1 x 2 tiles.
 template <int BITS>
 static void quant_rows(const float* x, int64_t rows, int64_t k_dim, const uint8_t* data, int64_t block_bytes,
                        float* y, int64_t ldy, const float* bias, int64_t n, int64_t begin, int64_t end) {
-  const int64_t num_tiles = (rows + kMaxTileRows - 1) / kMaxTileRows;
   for (int64_t p0 = begin; p0 < end; p0 += kQuantChains) {
     const int64_t p1 = std::min(end, p0 + kQuantChains);
-    for (int64_t t = 0, m = 0; t < num_tiles; ++t) {
-      const int64_t count = rows / num_tiles + (t < rows % num_tiles ? 1 : 0);
-      row_tile<BITS>(count, x + m * k_dim, k_dim, data, block_bytes, y + m * ldy, ldy, bias, n, p0, p1);
-      m += count;
+    int64_t m = 0;
+    if constexpr (kWideRows > kQuantChains)  // AVX-512's 32 registers: one rebuilt weight serves 8 rows
+      for (; m + kWideRows <= rows; m += kWideRows)
+        tiles<BITS, kWideRows, 1>(x + m * k_dim, k_dim, data, block_bytes, y + m * ldy, ldy, bias, n, p0, p1);
+    for (; m + kQuantChains <= rows; m += kQuantChains)
+      tiles<BITS, kQuantChains, kVerifyPanels>(x + m * k_dim, k_dim, data, block_bytes, y + m * ldy, ldy, bias, n, p0, p1);
+    const float* xr = x + m * k_dim;
+    float* yr = y + m * ldy;
+    switch (rows - m) {
+      case 3: tiles<BITS, 3, kVerifyPanels>(xr, k_dim, data, block_bytes, yr, ldy, bias, n, p0, p1); break;
+      case 2: tiles<BITS, 2, 2>(xr, k_dim, data, block_bytes, yr, ldy, bias, n, p0, p1); break;
+      case 1: tiles<BITS, 1, 2>(xr, k_dim, data, block_bytes, yr, ldy, bias, n, p0, p1); break;
+      default: break;
     }
   }
 }
