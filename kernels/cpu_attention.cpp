@@ -385,8 +385,8 @@ void rope_store(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tenso
     for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
       float* head = row + h * head_dim;
       // x * cos + roll(x, half) * sin, as two loops over the halves: the same expression per element
-      // (the same bits), but no modulo in the index, so the compiler vectorizes them (a 9-row verify
-      // spent ~25 us a layer here)
+      // (the same bits), but no modulo in the index, so the compiler vectorizes them (a 9-row call
+      // took 17.7 us, now 1.9)
       for (int64_t d = 0; d < half; ++d) rotated[d] = head[d] * c[d] + head[d + half] * s[d];
       for (int64_t d = half; d < head_dim; ++d) rotated[d] = head[d] * c[d] + head[d - half] * s[d];
       float* dst = h < num_heads ? head : kp + slots[t] * kv_stride + (h - num_heads) * head_dim;
