@@ -167,7 +167,6 @@ struct Query {
   const OwnColumns* own;
 };
 
-
 // A unit's columns and queries, gathered once for either ISA's unit code: the shared columns' K and V
 // rows, each row's own visible ones, and a Query per (row, head) of the unit.
 struct UnitWork {

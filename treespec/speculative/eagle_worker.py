@@ -96,13 +96,15 @@ class EagleWorker:
                                  args.speculative_draft_model_quantization)
         self.req_to_token_pool, self.allocator = req_to_token_pool, allocator
         self.device = target_runner.device
-        self.aux_order: torch.Tensor | None = None
+        # EAGLE-3: the target layers captured (ascending), and where the head's fc takes them in another
+        # order, the captured layers' positions in fc order (None: ascending already, the shipped heads)
         self.target_capture_layers: tuple[int, ...] = ()
+        self.aux_order: torch.Tensor | None = None
         if self.draft.model.algorithm == "EAGLE3":
             layers = self.draft.model.capture_layers(target_runner.config.num_layers)
             self.target_capture_layers = tuple(sorted(set(layers)))
-            self.aux_order = torch.tensor([self.target_capture_layers.index(i) for i in layers])
-        self.aux_in_order = self.aux_order is not None and self.aux_order.tolist() == list(range(len(self.aux_order)))
+            if list(self.target_capture_layers) != layers:
+                self.aux_order = torch.tensor([self.target_capture_layers.index(i) for i in layers])
         # rid -> (draft logits, draft hidden state) at the request's position kv_len - 1
         self.draft_states: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         # rid -> plain-step tokens whose draft extend has not run yet (positions in order, contiguous)
@@ -127,11 +129,11 @@ class EagleWorker:
     def _draft_features(self, output: ModelOutput, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The target hidden states a draft extend takes: EAGLE the final (post-norm) hidden state,
         EAGLE-3 the three captured layers in the head's fc order."""
-        if self.aux_order is None:
+        if not self.target_capture_layers:  # EAGLE
             feats = output.hidden_states
             return feats if rows is None else feats[rows]
         aux = output.aux_hidden_states if rows is None else output.aux_hidden_states[rows]
-        if self.aux_in_order:  # the shipped heads: captured in fc order already, no copy (every plain step)
+        if self.aux_order is None:  # captured in fc order already: no copy (every plain step takes this)
             return aux
         width = aux.shape[-1] // len(self.target_capture_layers)
         return aux.view(aux.shape[0], -1, width)[:, self.aux_order.to(aux.device)].reshape(aux.shape[0], -1)

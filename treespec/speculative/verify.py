@@ -20,6 +20,7 @@ from treespec.kernels import tree_speculative_sampling_target_only, verify_tree_
 from treespec.request import Req
 from treespec.sampling import (
     apply_sampling_filters,
+    greedy_one_hot,
     greedy_tokens,
     mask_min_new_tokens,
     penalized_logits,
@@ -91,8 +92,7 @@ def verify_tree_mixed(reqs: list[Req], logits: torch.Tensor, tree: DraftTree
     probs[rows] = apply_sampling_filters(logits[rows], *filters)
     greedy_rows = greedy.repeat_interleave(n)
     if bool(greedy_rows.any()):
-        probs[greedy_rows] = torch.zeros_like(probs[greedy_rows]).scatter_(
-            1, greedy_tokens(logits[greedy_rows]).unsqueeze(-1), 1.0)
+        probs[greedy_rows] = greedy_one_hot(logits[greedy_rows])
     coins = torch.zeros(bs, n)
     final_coins = torch.zeros(bs)
     for b, req in enumerate(reqs):

@@ -257,11 +257,11 @@ def test_draft_features_follow_the_heads_fc_order() -> None:
 
     h2, h15, h27 = (torch.full((3, 4), float(i)) for i in (2, 15, 27))
     output = ModelOutput(logits=torch.zeros(3, 8), hidden_states=torch.zeros(3, 4), aux_hidden_states=torch.cat([h2, h15, h27], dim=-1))
-    shuffled = SimpleNamespace(aux_order=torch.tensor([1, 0, 2]), aux_in_order=False,
+    shuffled = SimpleNamespace(aux_order=torch.tensor([1, 0, 2]),
                                target_capture_layers=(2, 15, 27))  # fc order: layers 15, 2, 27
     feats = eagle_worker.EagleWorker._draft_features(shuffled, output)
     assert torch.equal(feats, torch.cat([h15, h2, h27], dim=-1))
     rows = eagle_worker.EagleWorker._draft_features(shuffled, output, torch.tensor([2, 0]))
     assert torch.equal(rows, torch.cat([h15, h2, h27], dim=-1)[[2, 0]])
-    ascending = SimpleNamespace(aux_order=torch.tensor([0, 1, 2]), aux_in_order=True, target_capture_layers=(2, 15, 27))
+    ascending = SimpleNamespace(aux_order=None, target_capture_layers=(2, 15, 27))
     assert eagle_worker.EagleWorker._draft_features(ascending, output) is output.aux_hidden_states
