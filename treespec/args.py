@@ -33,11 +33,11 @@ GENERIC_SPECULATIVE_SHAPE = (5, 4, 8)  # (num_steps, eagle_topk, num_draft_token
 # prompts (docs/performance.md): 4 nodes 1.18x plain, 8 nodes 0.92x: on two CPU cores a verify of 5-8
 # nodes costs about two decode steps.
 NGRAM_DEFAULT_DRAFT_TOKENS = 4
-# flags that configure a draft model or its EAGLE tree; NGRAM has neither and refuses them
+# flags that configure a draft model or its EAGLE tree; NGRAM has neither and refuses them (it takes
+# --speculative-config, whose entries for NGRAM are chains: num_draft_tokens = num_steps + 1)
 EAGLE_ONLY_FLAGS = {"speculative_draft_model_path": "--speculative-draft-model-path",
                     "speculative_num_steps": "--speculative-num-steps",
                     "speculative_eagle_topk": "--speculative-eagle-topk",
-                    "speculative_config": "--speculative-config",
                     "speculative_draft_model_quantization": "--speculative-draft-model-quantization"}
 DRAFT_QUANTIZATIONS = ("none", "q8_0")  # --speculative-draft-model-quantization (treespec/models/block_quant.py)
 
@@ -212,26 +212,43 @@ class ServerArgs:
 
     def _resolve_ngram(self) -> dict:
         """NGRAM: no draft model and no EAGLE tree flags (each given one is an error naming it); the tree
-        size is --speculative-num-draft-tokens (default NGRAM_DEFAULT_DRAFT_TOKENS). The EAGLE shape fields
-        are derived for display: num_steps = the deepest tree (num_draft_tokens - 1), eagle_topk = the
-        widest branching (--speculative-ngram-max-bfs-breadth)."""
+        size is --speculative-num-draft-tokens (default NGRAM_DEFAULT_DRAFT_TOKENS), or by batch size
+        --speculative-config, whose entries must be chains (eagle_topk 1). On the default model with
+        neither given, the tuned schedule shipped in treespec/drafts/ngram/. The EAGLE shape fields are
+        derived for display: num_steps = the deepest tree (num_draft_tokens - 1), eagle_topk = the widest
+        branching (--speculative-ngram-max-bfs-breadth)."""
         for name, flag in EAGLE_ONLY_FLAGS.items():
             _check(getattr(self, name) is None, flag,
                    "applies to EAGLE / EAGLE3 only; NGRAM sizes its tree with --speculative-num-draft-tokens")
-        ndraft = self.speculative_num_draft_tokens
+        ndraft, schedule_path = self.speculative_num_draft_tokens, self.speculative_config
+        if ndraft is None and schedule_path is None and self.model_path is None:
+            tuned = drafts.ngram_schedule_path()  # None if the file is not in this checkout
+            schedule_path = str(tuned) if tuned is not None else None
+        if schedule_path:
+            from treespec.speculative import shapes  # here: this module stays torch-free
+
+            try:
+                schedule = shapes.SpecSchedule.from_file(schedule_path)
+            except shapes.ScheduleError as e:
+                raise ArgError(str(e)) from e
+            _check(all(shape.topk == 1 for _, shape in schedule.entries), "--speculative-config",
+                   "NGRAM entries are chains sized by num_draft_tokens (= num_steps + 1); eagle_topk must be 1")
         ndraft = NGRAM_DEFAULT_DRAFT_TOKENS if ndraft is None else ndraft
         _check(ndraft > 1, "--speculative-num-draft-tokens", "must be an integer >= 2")
         return {"speculative_algorithm": "NGRAM", "speculative_num_steps": ndraft - 1,
                 "speculative_eagle_topk": self.speculative_ngram_max_bfs_breadth,
-                "speculative_num_draft_tokens": ndraft, "speculative_token_map": None}
+                "speculative_num_draft_tokens": ndraft, "speculative_token_map": None,
+                "speculative_config": schedule_path}
 
     def _resolve_speculative(self) -> dict:
         """The speculative_* fields resolved: the algorithm; for the default model, the shipped head with
         its token map, tuned shape and tuned schedule unless given; the tree shape checked."""
         algo = (self.speculative_algorithm or "NONE").upper()
         if algo == "AUTO":
+            # NGRAM: on the CPU hosts measured it beat the shipped EAGLE-3 head (with or without n-gram
+            # nodes) on every workload at batch 1, and needs no draft model (docs/performance.md)
             default_model = self.model_path is None and not self.speculative_draft_model_path
-            algo = "EAGLE3" if default_model and drafts.shipped_draft_path("EAGLE3") is not None else "NONE"
+            algo = "NGRAM" if default_model else "NONE"
         _check(algo in SPECULATIVE_ALGORITHMS, "--speculative-algorithm",
                f"must be auto, NONE, EAGLE, EAGLE3 or NGRAM, got {algo!r}")
         if algo == "NONE":
@@ -331,13 +348,15 @@ FLAG_HELP = {
     "enable_jump_forward": "grammar-constrained requests append the text their grammar forces (JSON keys, "
                            "punctuation) without a model step; that text is tokenized on its own, so outputs "
                            "may differ from decoding it token by token (needs the radix cache)",
-    "speculative_algorithm": "auto | NONE | EAGLE | EAGLE3 | NGRAM; auto = EAGLE3 with the shipped head on the "
-                             "default model; NGRAM drafts from n-grams of all requests' text (no draft model)",
+    "speculative_algorithm": "auto | NONE | EAGLE | EAGLE3 | NGRAM; auto = NGRAM on the default model (with "
+                             "its tuned schedule: speculate at batch 1), else NONE; NGRAM drafts from n-grams of "
+                             "all requests' text (no draft model); EAGLE3 uses the shipped head on the default model",
     "speculative_draft_model_path": "EAGLE/EAGLE3: draft head folder (default: the shipped head for the default model)",
     "speculative_num_steps": "EAGLE/EAGLE3: draft depth: draft forwards per step",
     "speculative_eagle_topk": "EAGLE/EAGLE3: branches kept per draft step (1 = a chain)",
-    "speculative_num_draft_tokens": "tree nodes verified per step, the root included (NGRAM default: 8)",
-    "speculative_config": "JSON schedule of speculative settings by running batch size",
+    "speculative_num_draft_tokens": "tree nodes verified per step, the root included (NGRAM default: 4)",
+    "speculative_config": "JSON schedule of speculative settings by running batch size (NGRAM: chains, "
+                          "num_draft_tokens = num_steps + 1; default on the default model: the tuned one)",
     "speculative_draft_dtype": "auto (= the target's) | float32 | bfloat16 | float16",
     "speculative_draft_model_quantization": "EAGLE/EAGLE3: none | q8_0; q8_0 rounds the draft head's matmul "
                                             "weights to 8-bit blocks of 32 (GGUF Q8_0) on CPU: faster draft "

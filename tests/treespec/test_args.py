@@ -138,14 +138,33 @@ def test_shipped_head_is_the_default_draft_for_the_default_model(algorithm):
         ServerArgs(model_path="/some/other/model", speculative_algorithm=algorithm).resolve()
 
 
-def test_auto_speculation_is_on_only_for_the_default_model_with_a_shipped_head(tmp_path, monkeypatch):
-    fake_shipped_head(tmp_path, monkeypatch)
-    assert ServerArgs().resolve().speculative_algorithm == "EAGLE3"
+def test_auto_speculation_is_ngram_on_the_default_model_only():
+    resolved = ServerArgs().resolve()
+    assert resolved.speculative_algorithm == "NGRAM"
     assert ServerArgs(model_path="/some/model").resolve().speculative_algorithm == "NONE"
-    import treespec.drafts as drafts
 
-    monkeypatch.setattr(drafts, "shipped_draft_path", lambda algorithm: None)
-    assert ServerArgs().resolve().speculative_algorithm == "NONE"
+
+def test_ngram_takes_the_tuned_schedule_on_the_default_model_unless_settings_are_given(tmp_path):
+    from treespec.drafts import ngram_schedule_path
+    from treespec.speculative.shapes import SpecSchedule
+
+    tuned = ngram_schedule_path()
+    assert tuned is not None  # shipped in the package
+    assert ServerArgs().resolve().speculative_config == str(tuned)
+    shapes = SpecSchedule.from_file(tuned)
+    assert shapes.shape_for(1).num_draft_tokens == 4 and shapes.shape_for(2).num_steps == 0
+    # another model, or a tree size given: the same chain at every batch size
+    assert ServerArgs(model_path="/some/model", speculative_algorithm="NGRAM").resolve().speculative_config is None
+    resolved = ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=6).resolve()
+    assert (resolved.speculative_config, resolved.speculative_num_draft_tokens) == (None, 6)
+    mine = tmp_path / "mine.json"
+    mine.write_text('{"schedule": [{"max_batch_size": 2, "num_steps": 5, "num_draft_tokens": 6}]}')
+    assert ServerArgs(speculative_algorithm="NGRAM", speculative_config=str(mine)).resolve().speculative_config == str(mine)
+    mine.write_text('{"schedule": [{"max_batch_size": null, "num_steps": 2, "eagle_topk": 2, "num_draft_tokens": 4}]}')
+    with pytest.raises(ArgError, match="^--speculative-config.*eagle_topk must be 1"):
+        ServerArgs(speculative_algorithm="NGRAM", speculative_config=str(mine)).resolve()
+    with pytest.raises(ArgError, match="^--speculative-config: cannot read"):
+        ServerArgs(speculative_algorithm="NGRAM", speculative_config=str(tmp_path / "missing.json")).resolve()
 
 
 def fake_shipped_head(tmp_path, monkeypatch):
@@ -242,7 +261,6 @@ def test_ngram_needs_no_draft_model_and_sizes_its_tree_with_num_draft_tokens():
     ("speculative_draft_model_path", "/some/head", "--speculative-draft-model-path"),
     ("speculative_num_steps", 3, "--speculative-num-steps"),
     ("speculative_eagle_topk", 2, "--speculative-eagle-topk"),
-    ("speculative_config", "/some/schedule.json", "--speculative-config"),
     ("speculative_token_map", "/some/map.pt", "--speculative-token-map"),
     ("speculative_num_draft_tokens", 1, "--speculative-num-draft-tokens"),
 ])

@@ -167,22 +167,34 @@ PROMPTS = [
 ]
 
 
-def test_default_model_greedy_speculation_equals_plain_with_int8_activations():
-    """The shipped default (EAGLE-3 head + n-gram hybrid) on int8 activations: greedy output equals
-    plain decoding's on the same numerics at batch 1 and 5, with drafts accepted; plain decoding itself
-    gives the same outputs alone and batched; the pool balances."""
+@pytest.fixture(scope="module")
+def int8_plain_outputs() -> list[list[int]]:
+    """Plain int8 decoding of PROMPTS, one at a time; batched it gives the same outputs."""
     from treespec.engine import Engine
 
-    params = {"temperature": 0, "max_new_tokens": 40}
     plain = Engine(block_quant_activations="int8", speculative_algorithm="NONE")
-    want = [plain.generate(prompt=p, sampling_params=params)["output_ids"] for p in PROMPTS]
+    want = [plain.generate(prompt=p, sampling_params=INT8_PARAMS)["output_ids"] for p in PROMPTS]
     plain.flush_cache()
-    assert [r["output_ids"] for r in plain.generate(prompt=PROMPTS, sampling_params=params)] == want
+    assert [r["output_ids"] for r in plain.generate(prompt=PROMPTS, sampling_params=INT8_PARAMS)] == want
     plain.shutdown()
-    spec = Engine(block_quant_activations="int8")
-    assert spec.server_args.speculative_algorithm == "EAGLE3"
-    assert [spec.generate(prompt=p, sampling_params=params)["output_ids"] for p in PROMPTS] == want
-    assert [r["output_ids"] for r in spec.generate(prompt=PROMPTS, sampling_params=params)] == want
+    return want
+
+
+INT8_PARAMS = {"temperature": 0, "max_new_tokens": 40}
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "EAGLE3"])
+def test_default_model_greedy_speculation_equals_plain_with_int8_activations(int8_plain_outputs, algorithm):
+    """The default (auto: NGRAM with its tuned schedule) and the shipped EAGLE-3 head + n-gram hybrid on
+    int8 activations: greedy output equals plain decoding's on the same numerics at batch 1 and 5, with
+    drafts accepted; the pool balances."""
+    from treespec.engine import Engine
+
+    spec = Engine(block_quant_activations="int8", speculative_algorithm=algorithm)
+    assert spec.server_args.speculative_algorithm == ("NGRAM" if algorithm == "auto" else algorithm)
+    want = int8_plain_outputs
+    assert [spec.generate(prompt=p, sampling_params=INT8_PARAMS)["output_ids"] for p in PROMPTS] == want
+    assert [r["output_ids"] for r in spec.generate(prompt=PROMPTS, sampling_params=INT8_PARAMS)] == want
     spec.check_pool_balance()
     stats = spec.get_stats()
     assert stats["spec_emitted_tokens"] > stats["spec_verify_ct"]  # some drafts accepted

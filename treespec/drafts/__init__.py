@@ -1,5 +1,7 @@
 """Draft heads shipped with treespec for the embedded default model (SmolLM2-135M-Instruct), trained by
-`python -m treespec.train` (see docs/training.md): smollm2-135m-eagle3/ and smollm2-135m-eagle/."""
+`python -m treespec.train` (see docs/training.md): smollm2-135m-eagle3/ and smollm2-135m-eagle/; and the
+NGRAM schedule tuned for that model (ngram/speculative_config.json), which `--speculative-algorithm auto`
+uses there."""
 
 from __future__ import annotations
 
@@ -23,3 +25,10 @@ def shipped_draft_path(algorithm: str) -> Path | None:
         return None
     path = HERE / name
     return path if (path / "config.json").is_file() and (path / "model.safetensors").is_file() else None
+
+
+def ngram_schedule_path() -> Path | None:
+    """The NGRAM schedule tuned for the default model (speculate at batch 1, plain above: on two CPU
+    cores every verified node costs ~0.2 of a decode step, so larger batches lose), or None."""
+    path = HERE / "ngram" / "speculative_config.json"
+    return path if path.is_file() else None

@@ -205,3 +205,19 @@ def test_radix_cache_keys_on_tokens_under_ngram(model_dirs, references) -> None:
     assert first["output_ids"] == again["output_ids"] == references["lookup"][0]
     assert again["meta_info"]["cached_tokens"] == len(PROMPTS[0]) - 1
     engine.check_pool_balance()
+
+
+def test_schedule_speculates_only_where_it_says(model_dirs, references, tmp_path) -> None:
+    """--speculative-config under NGRAM (the default model's tuned schedule has this form): a chain of 4
+    nodes at batch 1, plain steps above. A batch of 4 that finishes together never verifies; the same
+    prompts one at a time do; outputs equal plain decoding either way."""
+    schedule = tmp_path / "ngram_schedule.json"
+    schedule.write_text('{"schedule": [{"max_batch_size": 1, "num_steps": 3, "num_draft_tokens": 4},'
+                        ' {"max_batch_size": null, "num_steps": 0}]}')
+    engine = engine_for(model_dirs, "lookup", ngram=True, speculative_config=str(schedule))
+    prompts, params = PROMPTS[:4], [{"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}] * 4
+    plain = run_all(engine_for(model_dirs, "lookup", ngram=False), 4, prompts, params)
+    assert run_all(engine, 4, prompts, params) == plain
+    assert engine.get_stats()["spec_verify_ct"] == 0
+    assert run_all(engine, 1, prompts, params) == plain
+    assert engine.get_stats()["spec_verify_ct"] > 0
