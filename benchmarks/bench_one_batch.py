@@ -3,7 +3,7 @@ side in one run, on the same model, dtype and prompts.
 
     python benchmarks/bench_one_batch.py                      # default model, fp32 + bf16, bs 1 and 8
     python benchmarks/bench_one_batch.py --dtypes float32 --batch-sizes 1 --output-len 32
-    python benchmarks/bench_one_batch.py --speculative-algorithm auto   # the server's default (EAGLE-3)
+    python benchmarks/bench_one_batch.py --speculative-algorithm auto   # the server's default (NGRAM)
 
 treespec decodes plainly unless --speculative-algorithm says otherwise (the ceiling columns assume one
 token per step). Prints a table and writes JSON (one object per (dtype, batch size) row) to --json.

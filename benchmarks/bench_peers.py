@@ -5,7 +5,7 @@
     python benchmarks/bench_peers.py                  # llama-server from PATH; without one, treespec alone
 
 Systems, all serving the same file at once (an idle server uses no CPU): treespec plain
-(`--speculative-algorithm NONE`), treespec with its defaults (EAGLE-3 + n-gram hybrid for the embedded
+(`--speculative-algorithm NONE`), treespec with its defaults (NGRAM at batch 1 for the embedded
 model), and `llama-server -m FILE -t THREADS -c 16384 -np 16` (how to build it: docs/performance.md).
 Prompts: held-out ShareGPT chat turns (benchmarks/spec_workloads.py `chat`), chat-templated ids sent as
 ids to every system, so tokenization cannot differ. Batch 1: each prompt goes to every system in turn,

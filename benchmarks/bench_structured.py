@@ -40,7 +40,7 @@ INSTRUCTION = ("Read the paragraph and describe it as a JSON object with the fie
                "false) and keywords (at most three).\n\nParagraph:\n")
 MODES = {
     "plain": {"speculative_algorithm": "NONE"},
-    "eagle3": {},  # the default model's default: EAGLE-3 with its schedule
+    "eagle3": {"speculative_algorithm": "EAGLE3"},  # the shipped head with its schedule
     "ngram": {"speculative_algorithm": "NGRAM"},
     "jump_forward": {"speculative_algorithm": "NONE", "enable_jump_forward": True},
     "unconstrained": {"speculative_algorithm": "NONE"},

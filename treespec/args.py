@@ -81,7 +81,7 @@ class ServerArgs:
     schedule_conservativeness: float = 1.0
     enable_jump_forward: bool = False
     # speculative decoding
-    # auto: EAGLE3 with the shipped head when serving the embedded default model, else NONE
+    # auto: NGRAM with its tuned schedule when serving the embedded default model, else NONE
     speculative_algorithm: str = "auto"  # auto | NONE | EAGLE | EAGLE3 | NGRAM
     speculative_draft_model_path: str | None = None
     speculative_num_steps: int | None = None
@@ -94,7 +94,10 @@ class ServerArgs:
     # EAGLE heads: hot-token list (FR-Spec) the draft picks from; "none" turns off a shipped head's list
     speculative_token_map: str | None = None
     # NGRAM: drafts from a trie of the n-grams in all requests' text (treespec/speculative/ngram_cache.py)
-    speculative_ngram_min_match_window_size: int = 1
+    # 2, not SGLang's 1: on two CPU cores a verify row costs ~0.2 of a decode step, and drafts after a
+    # one-token match are mostly wrong (held-out chat, default model: 1.18x plain against 1.07x with 1;
+    # code editing the same; docs/performance.md)
+    speculative_ngram_min_match_window_size: int = 2
     speculative_ngram_max_match_window_size: int = 12
     speculative_ngram_min_bfs_breadth: int = 1
     speculative_ngram_max_bfs_breadth: int = 10

@@ -1,6 +1,7 @@
 """Grammar-constrained decoding on the default model (a real tokenizer and a model that writes
-sensible JSON): outputs are valid, and greedy outputs with the default speculation (EAGLE-3 and its
-schedule, whose steps mix speculative and plain ones) and with NGRAM equal plain decoding's."""
+sensible JSON): outputs are valid, and greedy outputs with the default speculation (NGRAM and its
+schedule) and with the shipped EAGLE-3 head (its steps mix speculative and plain ones) equal plain
+decoding's."""
 
 from __future__ import annotations
 
