@@ -19,6 +19,8 @@ from treespec import drafts
 if TYPE_CHECKING:
     import torch
 
+    from treespec.speculative.shapes import SpecSchedule
+
 
 class ArgError(ValueError):
     """A bad flag value; the message names the flag."""
@@ -57,6 +59,16 @@ def router_installed() -> bool:
 def _check(ok: bool, flag: str, msg: str) -> None:
     if not ok:
         raise ArgError(f"{flag}: {msg}")
+
+
+def _read_schedule(path: str) -> SpecSchedule:
+    """A --speculative-config file, read and checked (a bad one is an ArgError naming the flag)."""
+    from treespec.speculative import shapes  # here: this module stays torch-free
+
+    try:
+        return shapes.SpecSchedule.from_file(path)
+    except shapes.ScheduleError as e:
+        raise ArgError(str(e)) from e
 
 
 @dataclass(frozen=True)
@@ -228,12 +240,7 @@ class ServerArgs:
             tuned = drafts.ngram_schedule_path()  # None if the file is not in this checkout
             schedule_path = str(tuned) if tuned is not None else None
         if schedule_path:
-            from treespec.speculative import shapes  # here: this module stays torch-free
-
-            try:
-                schedule = shapes.SpecSchedule.from_file(schedule_path)
-            except shapes.ScheduleError as e:
-                raise ArgError(str(e)) from e
+            schedule = _read_schedule(schedule_path)
             _check(all(shape.topk == 1 for _, shape in schedule.entries), "--speculative-config",
                    "NGRAM entries are chains sized by num_draft_tokens (= num_steps + 1); eagle_topk must be 1")
         ndraft = NGRAM_DEFAULT_DRAFT_TOKENS if ndraft is None else ndraft
@@ -281,14 +288,11 @@ class ServerArgs:
             token_map = None
         elif token_map is not None:
             _check(Path(token_map).is_file(), "--speculative-token-map", f"{token_map!r} is not a file")
+        if schedule_path:
+            _read_schedule(schedule_path)
         # imported here: this module stays torch-free whatever treespec.speculative's package comes to import
         from treespec.speculative import shapes
 
-        if schedule_path:
-            try:
-                shapes.SpecSchedule.from_file(schedule_path)
-            except shapes.ScheduleError as e:
-                raise ArgError(str(e)) from e  # names --speculative-config
         if shape == (None, None, None):
             shape = GENERIC_SPECULATIVE_SHAPE
         steps, topk, ndraft = shape

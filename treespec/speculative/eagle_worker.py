@@ -85,11 +85,8 @@ class EagleWorker:
         if not args.speculative_draft_model_path:
             raise ValueError(f"--speculative-draft-model-path is required with --speculative-algorithm "
                              f"{args.speculative_algorithm}")
-        if args.speculative_config:
-            self.schedule = SpecSchedule.from_file(args.speculative_config)
-        else:
-            self.schedule = SpecSchedule.constant(
-                args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
+        self.schedule = SpecSchedule.from_flags(args.speculative_config, args.speculative_num_steps,
+                                                args.speculative_eagle_topk, args.speculative_num_draft_tokens)
         self.target = target_runner
         self.draft = DraftRunner(args.speculative_draft_model_path, args.speculative_algorithm, target_runner,
                                  args.torch_draft_dtype(), args.speculative_token_map,

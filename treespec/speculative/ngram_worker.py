@@ -52,12 +52,9 @@ class NgramWorker:
         # Only the node budget matters for an n-gram tree. As a chain shape (num_draft_tokens - 1 steps,
         # topk 1) it needs num_draft_tokens slots per request, and the Scheduler's shrink rule (a shorter
         # chain when KV is short) hands this worker a smaller budget.
-        # --speculative-config (chains by batch size; the default model's tuned one speculates at batch 1
-        # only) or the same chain at every batch size
-        if args.speculative_config:
-            self.schedule = SpecSchedule.from_file(args.speculative_config)
-        else:
-            self.schedule = SpecSchedule.constant(ndraft - 1, 1, ndraft)
+        # --speculative-config gives chains by batch size (the default model's tuned one speculates at
+        # batch 1 only); without it, the same chain at every batch size
+        self.schedule = SpecSchedule.from_flags(args.speculative_config, ndraft - 1, 1, ndraft)
         self.cache = NgramCache(ngram_config(args))
         self.text: dict[str, TextCursor] = {}  # rid -> where its text stands in the cache (cheap inserts)
         self.target = target_runner

@@ -65,6 +65,11 @@ class SpecSchedule:
         return cls([(None, SpecShape(steps, topk, ndraft))])
 
     @classmethod
+    def from_flags(cls, path: str | None, steps: int, topk: int, ndraft: int) -> SpecSchedule:
+        """A worker's schedule: the --speculative-config file when one is given, else this one shape."""
+        return cls.from_file(path) if path else cls.constant(steps, topk, ndraft)
+
+    @classmethod
     def from_file(cls, path: str | Path) -> SpecSchedule:
         try:
             data = json.loads(Path(path).read_text())
