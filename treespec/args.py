@@ -61,12 +61,13 @@ def _check(ok: bool, flag: str, msg: str) -> None:
         raise ArgError(f"{flag}: {msg}")
 
 
-def _read_schedule(path: str) -> SpecSchedule:
-    """A --speculative-config file, read and checked (a bad one is an ArgError naming the flag)."""
+def _read_schedule(path: str) -> list[SpecSchedule]:
+    """A --speculative-config file's schedules (its "schedule", and "schedule_cuda" if given), read and
+    checked (a bad one is an ArgError naming the flag)."""
     from treespec.speculative import shapes  # here: this module stays torch-free
 
     try:
-        return shapes.SpecSchedule.from_file(path)
+        return list(shapes.SpecSchedule.all_from_file(path).values())
     except shapes.ScheduleError as e:
         raise ArgError(str(e)) from e
 
@@ -240,8 +241,9 @@ class ServerArgs:
             tuned = drafts.ngram_schedule_path()  # None if the file is not in this checkout
             schedule_path = str(tuned) if tuned is not None else None
         if schedule_path:
-            schedule = _read_schedule(schedule_path)
-            _check(all(shape.topk == 1 for _, shape in schedule.entries), "--speculative-config",
+            schedules = _read_schedule(schedule_path)
+            chains = all(shape.topk == 1 for sched in schedules for _, shape in sched.entries)
+            _check(chains, "--speculative-config",
                    "NGRAM entries are chains sized by num_draft_tokens (= num_steps + 1); eagle_topk must be 1")
         ndraft = NGRAM_DEFAULT_DRAFT_TOKENS if ndraft is None else ndraft
         _check(ndraft > 1, "--speculative-num-draft-tokens", "must be an integer >= 2")

@@ -1,5 +1,6 @@
-"""Greedy speculative decoding on CUDA reproduces plain decoding on the default model and its
-shipped EAGLE-3 head, at batch 1 and batch 8.
+"""Greedy speculative decoding on CUDA reproduces plain decoding on the default model, with its
+shipped EAGLE-3 head and with n-gram drafts (NGRAM, an 8-node tree at every batch size), at batch 1
+and batch 8.
 
 float32 is the exactness check: the target and draft then run the torch attention backend on CUDA
 (FlashInfer has no fp32 kernels) and the Triton tree kernels. In bfloat16 (FlashInfer) a verify row
@@ -20,13 +21,19 @@ MAX_NEW_TOKENS = 64
 GREEDY = {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS}
 
 
-def generate_both(dtype: str, batched: bool) -> tuple[list[list[int]], list[list[int]], object]:
+# the default model's shipped EAGLE-3 head (+ n-gram nodes); n-gram drafts alone, a constant 8-node tree
+# rather than the default batch-1 schedule, so batch 8 speculates too
+SPECULATIVE = {"EAGLE3": {}, "NGRAM": {"speculative_num_draft_tokens": 8}}
+
+
+def generate_both(dtype: str, batched: bool, algorithm: str = "EAGLE3"
+                  ) -> tuple[list[list[int]], list[list[int]], object]:
     from treespec.engine import Engine
     from treespec.tokenizer import chat_input_ids
 
     outputs, engines = [], []
-    for algorithm in ("NONE", "EAGLE3"):  # plain; the default model's shipped EAGLE-3 head (+ n-gram nodes)
-        engine = Engine(device="cuda", dtype=dtype, speculative_algorithm=algorithm)
+    for name, kwargs in (("NONE", {}), (algorithm, SPECULATIVE[algorithm])):
+        engine = Engine(device="cuda", dtype=dtype, speculative_algorithm=name, **kwargs)
         ids = [chat_input_ids(engine.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
         if batched:
             results = engine.generate(input_ids=ids, sampling_params=GREEDY)
@@ -42,9 +49,10 @@ def generate_both(dtype: str, batched: bool) -> tuple[list[list[int]], list[list
     return plain, speculative, engines[1]
 
 
+@pytest.mark.parametrize("algorithm", sorted(SPECULATIVE))
 @pytest.mark.parametrize("batched", [False, True], ids=["batch1", "batch8"])
-def test_greedy_speculative_equals_plain_float32(batched: bool):
-    plain, speculative, _ = generate_both("float32", batched)
+def test_greedy_speculative_equals_plain_float32(batched: bool, algorithm: str):
+    plain, speculative, _ = generate_both("float32", batched, algorithm)
     assert speculative == plain
 
 
@@ -67,3 +75,13 @@ def test_greedy_speculative_tracks_plain_bfloat16(batched: bool):
     # bf16 rounding may part the two late; a broken mask parts them within a few tokens
     assert sum(prefixes) / len(prefixes) >= MAX_NEW_TOKENS / 2, prefixes
     assert sum(p == s for p, s in zip(plain, speculative, strict=True)) >= len(PROMPTS) // 2, prefixes
+
+
+def test_default_engine_takes_the_cuda_ngram_schedule():
+    from treespec.engine import Engine
+
+    engine = Engine(device="cuda")  # the default model, --speculative-algorithm auto: NGRAM
+    schedule = engine.scheduler.spec_worker.schedule
+    assert schedule.shape_for(1).num_draft_tokens == 8  # the file's "schedule_cuda", not the CPU chain of 4
+    assert schedule.shape_for(2).num_steps == 0
+    engine.shutdown()

@@ -153,6 +153,8 @@ def test_ngram_takes_the_tuned_schedule_on_the_default_model_unless_settings_are
     assert ServerArgs().resolve().speculative_config == str(tuned)
     shapes = SpecSchedule.from_file(tuned)
     assert shapes.shape_for(1).num_draft_tokens == 4 and shapes.shape_for(2).num_steps == 0
+    on_cuda = SpecSchedule.from_file(tuned, "cuda")  # verified nodes cost almost nothing there: longer
+    assert on_cuda.shape_for(1).num_draft_tokens == 8 and on_cuda.shape_for(2).num_steps == 0
     # another model, or a tree size given: the same chain at every batch size
     assert ServerArgs(model_path="/some/model", speculative_algorithm="NGRAM").resolve().speculative_config is None
     resolved = ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=6).resolve()
@@ -161,6 +163,11 @@ def test_ngram_takes_the_tuned_schedule_on_the_default_model_unless_settings_are
     mine.write_text('{"schedule": [{"max_batch_size": 2, "num_steps": 5, "num_draft_tokens": 6}]}')
     assert ServerArgs(speculative_algorithm="NGRAM", speculative_config=str(mine)).resolve().speculative_config == str(mine)
     mine.write_text('{"schedule": [{"max_batch_size": null, "num_steps": 2, "eagle_topk": 2, "num_draft_tokens": 4}]}')
+    with pytest.raises(ArgError, match="^--speculative-config.*eagle_topk must be 1"):
+        ServerArgs(speculative_algorithm="NGRAM", speculative_config=str(mine)).resolve()
+    # the CUDA entries are checked as strictly, though this host may never use them
+    mine.write_text('{"schedule": [{"num_steps": 1}], '
+                    '"schedule_cuda": [{"num_steps": 2, "eagle_topk": 2, "num_draft_tokens": 4}]}')
     with pytest.raises(ArgError, match="^--speculative-config.*eagle_topk must be 1"):
         ServerArgs(speculative_algorithm="NGRAM", speculative_config=str(mine)).resolve()
     with pytest.raises(ArgError, match="^--speculative-config: cannot read"):

@@ -86,7 +86,8 @@ class EagleWorker:
             raise ValueError(f"--speculative-draft-model-path is required with --speculative-algorithm "
                              f"{args.speculative_algorithm}")
         self.schedule = SpecSchedule.from_flags(args.speculative_config, args.speculative_num_steps,
-                                                args.speculative_eagle_topk, args.speculative_num_draft_tokens)
+                                                args.speculative_eagle_topk, args.speculative_num_draft_tokens,
+                                                target_runner.device.type)
         self.target = target_runner
         self.draft = DraftRunner(args.speculative_draft_model_path, args.speculative_algorithm, target_runner,
                                  args.torch_draft_dtype(), args.speculative_token_map,

@@ -53,8 +53,9 @@ class NgramWorker:
         # topk 1) it needs num_draft_tokens slots per request, and the Scheduler's shrink rule (a shorter
         # chain when KV is short) hands this worker a smaller budget.
         # --speculative-config gives chains by batch size (the default model's tuned one speculates at
-        # batch 1 only); without it, the same chain at every batch size
-        self.schedule = SpecSchedule.from_flags(args.speculative_config, ndraft - 1, 1, ndraft)
+        # batch 1 only, with a longer chain on CUDA); without it, the same chain at every batch size
+        self.schedule = SpecSchedule.from_flags(args.speculative_config, ndraft - 1, 1, ndraft,
+                                                target_runner.device.type)
         self.cache = NgramCache(ngram_config(args))
         self.text: dict[str, TextCursor] = {}  # rid -> where its text stands in the cache (cheap inserts)
         self.target = target_runner

@@ -225,3 +225,20 @@ def test_schedule_speculates_only_where_it_says(model_dirs, references, tmp_path
     assert engine.get_stats()["spec_verify_ct"] == 0
     assert run_all(engine, 1, prompts, params) == plain
     assert engine.get_stats()["spec_verify_ct"] > 0
+
+
+@pytest.mark.parametrize(("device", "chain"), [("cpu", 4), ("cuda", 8)])
+def test_worker_takes_the_shipped_schedule_for_its_device(device, chain) -> None:
+    """The default model's tuned file holds a CPU and a CUDA schedule; the worker picks by its runner's
+    device (no CUDA needed: the worker only reads the device's type when it is built)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from treespec.args import ServerArgs
+    from treespec.speculative.ngram_worker import NgramWorker
+
+    args = ServerArgs().resolve()  # the default model: auto -> NGRAM with the shipped schedule
+    worker = NgramWorker(args, SimpleNamespace(device=torch.device(device)), None, None)
+    assert worker.schedule.shape_for(1).num_draft_tokens == chain
+    assert worker.schedule.shape_for(2).num_steps == 0

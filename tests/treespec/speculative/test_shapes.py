@@ -33,8 +33,20 @@ def test_shape_by_batch_size(tmp_path):
     assert sched.shape_for(1).slots_per_request == 5  # the larger of the 5-node verify and 2x2 draft scratch
 
 
+def test_cuda_entries_replace_the_schedule_on_cuda_only(tmp_path):
+    cuda = [{"max_batch_size": 4, "num_steps": 7, "num_draft_tokens": 8}]
+    path = write(tmp_path, {**SCHEDULE, "schedule_cuda": cuda})
+    assert SpecSchedule.from_file(path, "cuda").entries == [(4, SpecShape(7, 1, 8))]
+    assert SpecSchedule.from_file(path, "cpu").shape_for(1) == SpecShape(3, 2, 5)
+    assert SpecSchedule.from_flags(path, 1, 1, 2, "cuda").shape_for(4) == SpecShape(7, 1, 8)
+    # a file without CUDA entries serves every device with its "schedule"
+    assert SpecSchedule.from_file(write(tmp_path, SCHEDULE), "cuda").shape_for(1) == SpecShape(3, 2, 5)
+
+
 @pytest.mark.parametrize("bad", [
     {"schedule": []},
+    {"schedule": [{"num_steps": 1}], "schedule_cuda": []},
+    {"schedule": [{"num_steps": 1}], "schedule_cuda": [{"max_batch_size": 1}]},
     {"schedule": [{"max_batch_size": 2, "num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 5}]},
     {"schedule": [{"max_batch_size": 4, "num_steps": 1}, {"max_batch_size": 2, "num_steps": 1}]},
     {"schedule": [{"max_batch_size": 1}]},
