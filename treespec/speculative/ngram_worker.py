@@ -9,7 +9,11 @@ One step, with the same division of work as EagleWorker:
      Nothing else changes.
   2. The Scheduler commits the result.
   3. `draft_extend(reqs, result, committed)`: the committed tokens go into the cache.
-The prompt goes in at the end of its prefill (`after_prefill`). A retracted request is prefilled
+The prompt goes in at the end of its prefill (`after_prefill`). A plain step's tokens go in later, all
+at once: when the request next asks for drafts, or when it leaves (`release`). Under load, where the
+schedule decodes plain, that is one insert per request instead of one per token, each run right after
+a forward has flushed the CPU caches (~3x the cost of a token inserted in a run of tokens); another
+request drafts from a plain-decoding request's text once it left. A retracted request is prefilled
 again and its text counted again: counts only order drafts, the target decides every token.
 """
 
@@ -74,16 +78,23 @@ class NgramWorker:
             self.cache.insert(req.all_ids, num_new, self.text.get(req.rid))
 
     def defer_extend(self, reqs: list[Req], tokens: list[int], batch: ForwardBatch, output: ModelOutput) -> None:
-        """A plain step's tokens go into the cache at once (no draft model, nothing to defer)."""
-        for req in reqs:
-            self.cache.insert(req.all_ids, 1, self.text.get(req.rid))
+        """A plain step's tokens wait: `_catch_up` inserts them when the request drafts or leaves."""
+
+    def _catch_up(self, req: Req) -> None:
+        """Insert the request's tokens its cursor has not seen (those of its plain steps)."""
+        cursor = self.text.get(req.rid)
+        if cursor is not None:
+            self.cache.insert_rest(req.all_ids, cursor)
 
     def wants_drafts(self, reqs: list[Req]) -> bool:
         """Whether any request has a draft this step (else the Scheduler runs a plain step)."""
+        for req in reqs:
+            self._catch_up(req)
         return any(self.cache.has_match(r.all_ids, 0) for r in reqs)
 
     def release(self, req: Req, keep_draft_kv: bool) -> None:
-        """Forget the request's cursor; the cache keeps its text."""
+        """Insert what is left of the request's text, then forget its cursor; the cache keeps the text."""
+        self._catch_up(req)
         self.text.pop(req.rid, None)
 
     def flush(self) -> None:
@@ -104,6 +115,8 @@ class NgramWorker:
         """Draft from the cache within `shape.num_draft_tokens` nodes per request (the root included) and
         verify. The Scheduler sized `shape` against the free KV; this allocates only what the largest
         tree needs (no drafts anywhere: a plain step)."""
+        for req in reqs:  # wants_drafts did this, unless a pinned seeded step skipped it
+            self._catch_up(req)
         kv_lens = [r.kv_len for r in reqs]
         prefix_slots = [self.req_to_token_pool.read(r.req_pool_idx, 0, k) for r, k in zip(reqs, kv_lens, strict=True)]
         roots = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=self.device)

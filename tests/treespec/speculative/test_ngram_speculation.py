@@ -242,3 +242,34 @@ def test_worker_takes_the_shipped_schedule_for_its_device(device, chain) -> None
     worker = NgramWorker(args, SimpleNamespace(device=torch.device(device)), None, None)
     assert worker.schedule.shape_for(1).num_draft_tokens == chain
     assert worker.schedule.shape_for(2).num_steps == 0
+
+
+def test_plain_step_tokens_wait_for_the_next_draft_or_the_release() -> None:
+    """Under load the schedule decodes plain: those tokens go into the cache in one run when the request
+    next asks for drafts or leaves, not one by one after every forward."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from treespec.args import ServerArgs
+    from treespec.speculative.ngram_worker import NgramWorker
+
+    worker = NgramWorker(ServerArgs().resolve(), SimpleNamespace(device=torch.device("cpu")), None, None)
+    req = SimpleNamespace(rid="a", all_ids=[11, 12, 13, 14, 15, 16], kv_len=5, seq_len=6)
+    worker.after_prefill([req], [5], None, None)  # the prompt and the first sampled token
+    cursor = worker.text["a"]
+    inserted = len(worker.cache)
+    assert inserted > 0 and cursor.length == 6
+    for token in (17, 18):  # two plain steps
+        req.all_ids.append(token)
+        worker.defer_extend([req], [token], None, None)
+    assert len(worker.cache) == inserted and cursor.length == 6  # nothing yet
+    assert not worker.wants_drafts([req])  # no 2-token match for (17, 18) before it catches up: none after
+    assert cursor.length == 8 and len(worker.cache) > inserted
+    req.all_ids += [11, 12]
+    assert worker.wants_drafts([req])  # (11, 12) was seen: 13 follows
+    worker.defer_extend([req], [12], None, None)
+    req.all_ids.append(13)
+    before_release = len(worker.cache)
+    worker.release(req, keep_draft_kv=False)
+    assert "a" not in worker.text and len(worker.cache) > before_release  # the rest went in as it left
