@@ -227,10 +227,9 @@ def test_schedule_speculates_only_where_it_says(model_dirs, references, tmp_path
     assert engine.get_stats()["spec_verify_ct"] > 0
 
 
-@pytest.mark.parametrize(("device", "chain"), [("cpu", 4), ("cuda", 8)])
-def test_worker_takes_the_shipped_schedule_for_its_device(device, chain) -> None:
-    """The default model's tuned file holds a CPU and a CUDA schedule; the worker picks by its runner's
-    device (no CUDA needed: the worker only reads the device's type when it is built)."""
+def default_model_worker(device: str):
+    """The default model's NGRAM worker (auto -> NGRAM with the shipped schedule), built without a model:
+    a runner with only a device, no pools (enough for its schedule and n-gram cache)."""
     from types import SimpleNamespace
 
     import torch
@@ -238,8 +237,14 @@ def test_worker_takes_the_shipped_schedule_for_its_device(device, chain) -> None
     from treespec.args import ServerArgs
     from treespec.speculative.ngram_worker import NgramWorker
 
-    args = ServerArgs().resolve()  # the default model: auto -> NGRAM with the shipped schedule
-    worker = NgramWorker(args, SimpleNamespace(device=torch.device(device)), None, None)
+    return NgramWorker(ServerArgs().resolve(), SimpleNamespace(device=torch.device(device)), None, None)
+
+
+@pytest.mark.parametrize(("device", "chain"), [("cpu", 4), ("cuda", 8)])
+def test_worker_takes_the_shipped_schedule_for_its_device(device, chain) -> None:
+    """The default model's tuned file holds a CPU and a CUDA schedule; the worker picks by its runner's
+    device (no CUDA needed: the worker only reads the device's type when it is built)."""
+    worker = default_model_worker(device)
     assert worker.schedule.shape_for(1).num_draft_tokens == chain
     assert worker.schedule.shape_for(2).num_steps == 0
 
@@ -249,12 +254,7 @@ def test_plain_step_tokens_wait_for_the_next_draft_or_the_release() -> None:
     next asks for drafts or leaves, not one by one after every forward."""
     from types import SimpleNamespace
 
-    import torch
-
-    from treespec.args import ServerArgs
-    from treespec.speculative.ngram_worker import NgramWorker
-
-    worker = NgramWorker(ServerArgs().resolve(), SimpleNamespace(device=torch.device("cpu")), None, None)
+    worker = default_model_worker("cpu")
     req = SimpleNamespace(rid="a", all_ids=[11, 12, 13, 14, 15, 16], kv_len=5, seq_len=6)
     worker.after_prefill([req], [5], None, None)  # the prompt and the first sampled token
     cursor = worker.text["a"]
