@@ -123,6 +123,13 @@ def test_cli_self_distill_head_runs_in_engine(setup, tmp_path: Path) -> None:
         train_main(["--distill-dtype", "bf16"])  # argparse names the flag and the allowed values
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error a host without CUDA gives")
+def test_cli_device_errors_name_the_flag() -> None:
+    for device, why in (("cuda", "CUDA was requested but is not available"), ("tpu", "unknown device 'tpu'")):
+        with pytest.raises(SystemExit, match=f"--device: {why}"):
+            train_main(["--device", device])
+
+
 def test_cli_eagle_head_writes_its_token_map(setup, tmp_path: Path) -> None:
     """An EAGLE head comes with the hot-token list its CE was trained over; the engine drafts with it."""
     from treespec.models.draft_loader import load_token_map

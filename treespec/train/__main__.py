@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from treespec.args import DTYPE_NAMES, ServerArgs
+from treespec.args import DTYPE_NAMES, ArgError, ServerArgs
 from treespec.model_loader import cache_dir, resolve_model_path
 from treespec.models.draft_loader import save_draft, save_token_map
 from treespec.train.data import (
@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-head", default=None,
                    help="start from this head folder (published layout) instead of a fresh head; an EAGLE-3 head keeps "
                         "its draft vocabulary. Ignored when --resume finds a checkpoint")
+    p.add_argument("--device", default="auto",
+                   help="auto | cpu | cuda | cuda:N: where self-distillation, the target features and the head's "
+                        "training run (auto = CUDA when available)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     return p
@@ -83,7 +86,8 @@ def build_examples(args: argparse.Namespace, model_dir: Path, tokenizer, work: P
 
         key = hashlib.sha1(f"{Path(args.data or default_data_path()).resolve()}|{model_dir.resolve()}|{args.holdout}".encode()).hexdigest()[:10]
         # greedy replies depend on the generation dtype (bf16 rounding changes the argmax), so it is part of the name
-        dtype = ServerArgs(dtype=args.distill_dtype, speculative_algorithm="NONE").resolve().torch_dtype()
+        dtype = ServerArgs(dtype=args.distill_dtype, speculative_algorithm="NONE",
+                           device=args.device).resolve().torch_dtype()
         dtype_name = str(dtype).removeprefix("torch.")
         cache = work.parent / f"distill-{key}-p{args.max_prompt_tokens}-n{args.max_new_tokens}-{dtype_name}.jsonl"
         def make_engine() -> Engine:
@@ -91,7 +95,7 @@ def build_examples(args: argparse.Namespace, model_dir: Path, tokenizer, work: P
             # would only add a draft extend per step
             return Engine(None if args.target_model_path is None else str(model_dir),
                           max_running_requests=args.distill_batch, num_threads=args.num_threads,
-                          dtype=args.distill_dtype, speculative_algorithm="NONE",
+                          dtype=args.distill_dtype, speculative_algorithm="NONE", device=args.device,
                           max_total_tokens=args.distill_batch * (args.max_prompt_tokens + args.max_new_tokens + 64))
 
         examples = self_distill(make_engine, tokenizer, convs, cache, args.max_prompt_tokens, args.max_new_tokens,
@@ -112,6 +116,10 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
+    try:
+        device = ServerArgs(device=args.device, speculative_algorithm="NONE").resolve().torch_device()
+    except ArgError as e:
+        raise SystemExit(f"error: {e}") from None
     algo = args.algorithm
     ttt = args.ttt_steps or (3 if algo == "EAGLE3" else 1)
     model_dir = resolve_model_path(args.target_model_path)
@@ -123,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.time()
     examples = build_examples(args, model_dir, tokenizer, work)
     max_positions = args.max_seq_len + ttt + 8
-    target = load_target(model_dir, max(max_positions, 2048))
+    target = load_target(model_dir, max(max_positions, 2048), device)
     n_layers = target.config.num_layers
     # the EAGLE-3 head's default capture (low, mid, high); computed for EAGLE too so both share one cache
     capture = [2, n_layers // 2, n_layers - 3]

@@ -25,14 +25,17 @@ from treespec.models.llama import LlamaForCausalLM
 from treespec.models.registry import model_class_for
 
 
-def load_target(model_dir: Path, max_positions: int) -> LlamaForCausalLM:
+def load_target(model_dir: Path, max_positions: int, device: torch.device | str = "cpu") -> LlamaForCausalLM:
+    """The frozen fp32 target on `device`; training and feature passes run where the target is."""
     hf_config = load_config(model_dir)
     model_class = model_class_for(hf_config)
     cfg = ModelConfig.from_hf(hf_config)
     with torch.device("cpu"):
         model = model_class(cfg, min(max_positions, cfg.max_position_embeddings))
     model.load_weights(load_hf_weights(model_dir))
-    return model.float().eval().requires_grad_(False)
+    model = model.to(device=device, dtype=torch.float32).eval().requires_grad_(False)
+    model.rotary.to(device)
+    return model
 
 
 def dense_attention(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
@@ -56,7 +59,7 @@ def target_forward(model: LlamaForCausalLM, ids: torch.Tensor, capture: list[int
     """Dense forward over right-padded ids [B, T]: (final post-norm hidden [B, T, H],
     aux [B, T, 3H] = inputs of the `capture` layers in that order, or None)."""
     h = model.embed_tokens(ids)
-    cos, sin = model.rotary(torch.arange(ids.shape[1]), h.dtype)
+    cos, sin = model.rotary(torch.arange(ids.shape[1], device=ids.device), h.dtype)
     entering = {}
     for i, layer in enumerate(model.layers):
         entering[i] = h
@@ -118,11 +121,12 @@ def compute_features(model: LlamaForCausalLM, examples: list[dict], capture: lis
         ids = torch.zeros(len(batch), max(lens[i] for i in batch), dtype=torch.int64)
         for r, i in enumerate(batch):
             ids[r, : lens[i]] = torch.tensor(examples[i]["input_ids"])
-        fin, ax = target_forward(model, ids, capture)
+        fin, ax = target_forward(model, ids.to(model.embed_tokens.weight.device), capture)
+        fin, ax = fin.half().cpu(), None if ax is None else ax.half().cpu()  # features live on the host
         for r, i in enumerate(batch):
-            blob = {"final": fin[r, : lens[i]].half().clone()}
+            blob = {"final": fin[r, : lens[i]].clone()}
             if ax is not None:
-                blob["aux"] = ax[r, : lens[i]].half().clone()
+                blob["aux"] = ax[r, : lens[i]].clone()
             put(i, blob["final"], blob.get("aux"))
             if files[i] is not None:
                 tmp = files[i].with_suffix(".tmp")

@@ -67,7 +67,10 @@ def init_head(cfg: TrainConfig, target: LlamaForCausalLM, vocab_ids: torch.Tenso
             model.norm.weight.copy_(target.norm.weight)
             model.lm_head.copy_(target.lm_head_weight[vocab_ids])
     model.set_target_weights(target.embed_tokens.weight, target.lm_head_weight)
-    return model.float().train()
+    device = target.embed_tokens.weight.device  # the head trains where the target is
+    model = model.to(device=device, dtype=torch.float32).train()
+    model.rotary.to(device)
+    return model
 
 
 class Batches:
@@ -105,7 +108,8 @@ class Batches:
         self._order = self._make(self.epoch)
 
 
-def collate(examples: list[dict], feats: Features, idxs: list[int], eagle3: bool) -> tuple:
+def collate(examples: list[dict], feats: Features, idxs: list[int], eagle3: bool,
+            device: torch.device | str = "cpu") -> tuple:
     t = max(len(examples[i]["input_ids"]) for i in idxs)
     b = len(idxs)
     ids = torch.zeros(b, t, dtype=torch.int64)
@@ -120,7 +124,8 @@ def collate(examples: list[dict], feats: Features, idxs: list[int], eagle3: bool
         final[r, :n] = fin.float()
         if eagle3:
             inp[r, :n] = aux.float()
-    return ids, mask, final, inp
+    ids, mask, final = (x.to(device) for x in (ids, mask, final))
+    return ids, mask, final, inp.to(device) if eagle3 else final
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -150,7 +155,7 @@ def load_init_head(cfg: TrainConfig, path: str | Path, target: LlamaForCausalLM,
     if missing or unexpected:
         raise ValueError(f"--init-head {str(path)!r} does not fit a {cfg.algorithm} head for this target: "
                          f"missing {missing}, unexpected {unexpected}")
-    return model.float().train(), vocab_ids
+    return model, vocab_ids
 
 
 def save_checkpoint(path: Path, model: DraftModel, opt: torch.optim.Optimizer, step: int, batches: Batches,
@@ -170,7 +175,8 @@ def train(cfg: TrainConfig, target: LlamaForCausalLM, examples: list[dict], feat
     `stop_at` ends this run early (as an interruption would). `init_from`: a head folder to start from
     instead of a fresh head (only when no checkpoint is resumed)."""
     torch.manual_seed(cfg.seed)
-    state = torch.load(ckpt_path, weights_only=False) if resume and ckpt_path.exists() else None
+    # map to the host: load_state_dict below copies onto the head's device
+    state = torch.load(ckpt_path, weights_only=False, map_location="cpu") if resume and ckpt_path.exists() else None
     if state is not None:
         vocab_ids = state["vocab_ids"]
         model = init_head(cfg, target, vocab_ids, max_positions)
@@ -191,9 +197,9 @@ def train(cfg: TrainConfig, target: LlamaForCausalLM, examples: list[dict], feat
         step, history = state["step"], list(state["history"])
     steps = max(1, cfg.ttt_steps)
     embed = target.embed_tokens.weight
-    vocab_rows = target.lm_head_weight[vocab_ids]
-    t2d = torch.zeros(target.config.vocab_size, dtype=torch.bool)
-    t2d[vocab_ids] = True
+    vocab_rows = target.lm_head_weight[vocab_ids.to(embed.device)]
+    t2d = torch.zeros(target.config.vocab_size, dtype=torch.bool, device=embed.device)
+    t2d[vocab_ids.to(embed.device)] = True
     bar = tqdm(total=cfg.steps, initial=step, desc=f"train {cfg.algorithm}", disable=not progress)
     try:
         while step < (cfg.steps if stop_at is None else min(cfg.steps, stop_at)):
@@ -210,7 +216,7 @@ def train(cfg: TrainConfig, target: LlamaForCausalLM, examples: list[dict], feat
 def _one_step(cfg, model, opt, params, batches, examples, feats, embed, vocab_rows, t2d, steps, step,
               history, bar) -> int:
     eagle3 = cfg.algorithm == "EAGLE3"
-    ids, mask, final, inp = collate(examples, feats, batches.next(), eagle3)
+    ids, mask, final, inp = collate(examples, feats, batches.next(), eagle3, embed.device)
     for g in opt.param_groups:
         g["lr"] = lr_at(cfg, step)
     outs = unroll(model, embed, ids, inp, steps)

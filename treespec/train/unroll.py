@@ -46,7 +46,7 @@ def unroll(model, embed: torch.Tensor, ids: torch.Tensor, feats: torch.Tensor, s
     b, t = ids.shape
     layer = _layer_parts(model)
     attn = layer.self_attn
-    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
     keys: list[tuple[torch.Tensor, torch.Tensor]] = []
     outs = []
     hidden = feats.to(embed.dtype)
@@ -56,7 +56,7 @@ def unroll(model, embed: torch.Tensor, ids: torch.Tensor, feats: torch.Tensor, s
         tok = F.pad(tok, (0, t - tok.shape[1]))
         emb = F.embedding(tok, embed)
         x, resid = _step_input(model, emb, hidden, j)
-        cos, sin = model.rotary((torch.arange(t) + j).clamp(max=max_pos), x.dtype)
+        cos, sin = model.rotary((torch.arange(t, device=ids.device) + j).clamp(max=max_pos), x.dtype)
         q, k, v = dense_attention(attn, x, cos, sin)
         if j == 0:
             scores = (q @ k.transpose(-1, -2)) * attn.scale
@@ -98,7 +98,7 @@ def step_losses(model: EagleDraftModel | Eagle3DraftModel, outs: list[torch.Tens
     EAGLE: v_weight * smooth-L1(predicted feature, target feature at p+j+1) + p_weight * soft CE."""
     b, t = ids.shape
     eagle3 = isinstance(model, Eagle3DraftModel)
-    total = torch.zeros(())
+    total = torch.zeros((), device=ids.device)
     stats: dict = {}
     for j, h in enumerate(outs):
         n = t - j - 2  # origins p with p + j + 2 <= T - 1
