@@ -69,7 +69,7 @@ def tree_from_parents(root_tokens: torch.Tensor, draft_tokens: list[list[int]], 
     n = 1 + max((len(t) for t in draft_tokens), default=0)
     roots = root_tokens.tolist()
     candidates, positions, next_token, next_sibling = [], [], [], []
-    ancestors = torch.zeros(bs, n, n, dtype=torch.bool)
+    ancestors: list[list[list[bool]]] = []  # host lists, one tensor at the end: per-node tensor ops cost more
     max_depth = 0
     for b in range(bs):
         pad = n - 1 - len(draft_tokens[b])
@@ -79,33 +79,34 @@ def tree_from_parents(root_tokens: torch.Tensor, draft_tokens: list[list[int]], 
         parent = [-1, *parents[b]] + [-1] * pad
         depth = [0] * n
         children: list[list[int]] = [[] for _ in range(n)]
+        rows: list[list[bool]] = []
         for t in range(n):
-            ancestors[b, t, t] = True
             p = parent[t]
             if p < 0:
-                continue
-            if p >= t:
-                raise ValueError(f"request {b}: node {t} has parent {p}; a parent must come first")
-            if any(tokens[c] == tokens[t] for c in children[p]):
-                raise ValueError(f"request {b}: node {p} has two children with token {tokens[t]}")
-            children[p].append(t)
-            depth[t] = depth[p] + 1
-            ancestors[b, t] |= ancestors[b, p]
+                row = [False] * n
+            else:
+                if p >= t:
+                    raise ValueError(f"request {b}: node {t} has parent {p}; a parent must come first")
+                if any(tokens[c] == tokens[t] for c in children[p]):
+                    raise ValueError(f"request {b}: node {p} has two children with token {tokens[t]}")
+                children[p].append(t)
+                depth[t] = depth[p] + 1
+                row = list(rows[p])  # the parent's ancestors, itself included
+            row[t] = True
+            rows.append(row)
         for t in range(n):
             next_token.append(children[t][0] if children[t] else -1)
             later = [c for c in children[parent[t]] if c > t] if parent[t] >= 0 else []
             next_sibling.append(later[0] if later else -1)
-        candidates.append(tokens)
+        ancestors.append(rows)
+        candidates.extend(tokens)
         positions.extend(kv_lens[b] + d for d in depth)
         max_depth = max(max_depth, *depth)
     device = root_tokens.device
-
-    def as_tensor(values: list, *shape: int) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).view(*shape).to(device)
-
-    return DraftTree(as_tensor(candidates, bs, n), as_tensor(positions, bs * n), ancestors.to(device),
-                     torch.arange(bs * n, device=device).view(bs, n), as_tensor(next_token, bs, n),
-                     as_tensor(next_sibling, bs, n), max_depth)
+    links = torch.tensor([candidates, next_token, next_sibling], dtype=torch.int64).view(3, bs, n).to(device)
+    return DraftTree(links[0], torch.tensor(positions, dtype=torch.int64).to(device),
+                     torch.tensor(ancestors, dtype=torch.bool).view(bs, n, n).to(device),
+                     torch.arange(bs * n, device=device).view(bs, n), links[1], links[2], max_depth)
 
 
 def verify_batch(
