@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_examples(args: argparse.Namespace, model_dir: Path, tokenizer, work: Path) -> list[dict]:
+def build_examples(args: argparse.Namespace, model_dir: Path, tokenizer, work: Path,
+                   distill_dtype: torch.dtype) -> list[dict]:
     convs = load_conversations(args.data)
     train_pool, _ = split_conversations(convs, args.holdout)
     first = args.skip_conversations
@@ -86,9 +87,7 @@ def build_examples(args: argparse.Namespace, model_dir: Path, tokenizer, work: P
 
         key = hashlib.sha1(f"{Path(args.data or default_data_path()).resolve()}|{model_dir.resolve()}|{args.holdout}".encode()).hexdigest()[:10]
         # greedy replies depend on the generation dtype (bf16 rounding changes the argmax), so it is part of the name
-        dtype = ServerArgs(dtype=args.distill_dtype, speculative_algorithm="NONE",
-                           device=args.device).resolve().torch_dtype()
-        dtype_name = str(dtype).removeprefix("torch.")
+        dtype_name = str(distill_dtype).removeprefix("torch.")
         cache = work.parent / f"distill-{key}-p{args.max_prompt_tokens}-n{args.max_new_tokens}-{dtype_name}.jsonl"
         def make_engine() -> Engine:
             # plain decoding: greedy replies are the same with speculation, which at this batch size
@@ -116,8 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    try:
-        device = ServerArgs(device=args.device, speculative_algorithm="NONE").resolve().torch_device()
+    try:  # --device and --distill-dtype as the distilling Engine resolves them
+        distill = ServerArgs(device=args.device, dtype=args.distill_dtype, speculative_algorithm="NONE").resolve()
+        device, distill_dtype = distill.torch_device(), distill.torch_dtype()
     except ArgError as e:
         raise SystemExit(f"error: {e}") from None
     algo = args.algorithm
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     t0 = time.time()
-    examples = build_examples(args, model_dir, tokenizer, work)
+    examples = build_examples(args, model_dir, tokenizer, work, distill_dtype)
     max_positions = args.max_seq_len + ttt + 8
     target = load_target(model_dir, max(max_positions, 2048), device)
     n_layers = target.config.num_layers
