@@ -116,6 +116,9 @@ class ServerArgs:
     speculative_ngram_max_bfs_breadth: int = 10
     speculative_ngram_branch_length: int = 18
     speculative_ngram_capacity: int = 1_000_000  # trie nodes (SGLang: 10M, in C++)
+    # draft nodes below this estimated chance of acceptance stay out (None: the --speculative-config
+    # entry's ngram_min_accept_prob, 0 = fill the budget as SGLang does, without one)
+    speculative_ngram_min_accept_prob: float | None = None
     # EAGLE / EAGLE3 + n-gram hybrid: n-gram nodes added to each draft tree (0 = off)
     speculative_hybrid_ngram_tokens: int | None = None  # None: the tuned value with a shipped head, else 0
     # server
@@ -225,6 +228,9 @@ class ServerArgs:
                "--speculative-ngram-max-bfs-breadth", "must be >= --speculative-ngram-min-bfs-breadth")
         _check(self.speculative_ngram_branch_length >= 2, "--speculative-ngram-branch-length",
                "must be >= 2 (a matched token and one continuation)")
+        min_accept = self.speculative_ngram_min_accept_prob
+        _check(min_accept is None or 0.0 <= min_accept < 1.0, "--speculative-ngram-min-accept-prob",
+               "must be in [0, 1)")
 
     def _resolve_ngram(self) -> dict:
         """NGRAM: no draft model and no EAGLE tree flags (each given one is an error naming it); the tree
@@ -291,7 +297,9 @@ class ServerArgs:
         elif token_map is not None:
             _check(Path(token_map).is_file(), "--speculative-token-map", f"{token_map!r} is not a file")
         if schedule_path:
-            _read_schedule(schedule_path)
+            thresholds = [shape.ngram_min_accept_prob for sched in _read_schedule(schedule_path)
+                          for _, shape in sched.entries]
+            _check(not any(thresholds), "--speculative-config", "ngram_min_accept_prob applies to NGRAM entries only")
         # imported here: this module stays torch-free whatever treespec.speculative's package comes to import
         from treespec.speculative import shapes
 
@@ -380,6 +388,10 @@ FLAG_HELP = {
     "speculative_ngram_branch_length": "NGRAM: longest n-gram stored (how many recent tokens each insert spans)",
     "speculative_ngram_capacity": "NGRAM: n-gram cache size in trie nodes, shared by all requests; least "
                                   "recently used branches are evicted (~0.4 KB of host memory per node)",
+    "speculative_ngram_min_accept_prob": "NGRAM: draft nodes whose estimated chance of acceptance is below this "
+                                         "stay out of the tree, which is sized by what the match promises up to "
+                                         "--speculative-num-draft-tokens (0 = fill the budget, as SGLang; default: "
+                                         "the --speculative-config entry's, the tuned one on the default model)",
     "speculative_hybrid_ngram_tokens": "EAGLE/EAGLE3: n-gram nodes added to each draft tree where the "
                                        "context matches the n-gram cache well, adapting per request between 2 "
                                        "and 4x this (0 = off; default: 6 with the shipped EAGLE-3 head at its "

@@ -371,7 +371,7 @@ class Scheduler:
     def _run_decode(self) -> list[RequestOutput]:
         self._make_room_for_decode(len(self.running))
         shape = self._spec_step_shape() if self.spec_worker is not None else PLAIN_STEP
-        if shape.num_steps and not self._keep_spec_shape() and not self.spec_worker.wants_drafts(self.running):
+        if shape.num_steps and not self._keep_spec_shape() and not self.spec_worker.wants_drafts(self.running, shape):
             shape = PLAIN_STEP  # no request has drafts worth a verify this step: a plain step is cheaper
         if shape.num_steps:
             return self._run_spec_decode(shape)
@@ -462,7 +462,7 @@ class Scheduler:
                 return shape
         self.stats["spec_shrunk_steps"] += 1
         steps = max(0, min(shape.num_steps, free // bs - 1))
-        return SpecShape(steps, 1, steps + 1) if steps else PLAIN_STEP
+        return SpecShape(steps, 1, steps + 1, shape.ngram_min_accept_prob) if steps else PLAIN_STEP
 
     def _commit_spec_tokens(self, req: Req, result: SpecStepResult, b: int) -> int:
         """Append request b's verified tokens one at a time, so stop rules cut exactly where plain

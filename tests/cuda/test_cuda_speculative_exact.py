@@ -82,6 +82,7 @@ def test_default_engine_takes_the_cuda_ngram_schedule():
 
     engine = Engine(device="cuda")  # the default model, --speculative-algorithm auto: NGRAM
     schedule = engine.scheduler.spec_worker.schedule
-    assert schedule.shape_for(1).num_draft_tokens == 8  # the file's "schedule_cuda", not the CPU chain of 4
+    assert schedule.shape_for(1).num_draft_tokens == 8  # the file's "schedule_cuda"
+    assert schedule.shape_for(1).ngram_min_accept_prob == 0.0  # the CPU's is 0.4: rows cost more there
     assert schedule.shape_for(2).num_steps == 0
     engine.shutdown()

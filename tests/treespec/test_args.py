@@ -152,9 +152,12 @@ def test_ngram_takes_the_tuned_schedule_on_the_default_model_unless_settings_are
     assert tuned is not None  # shipped in the package
     assert ServerArgs().resolve().speculative_config == str(tuned)
     shapes = SpecSchedule.from_file(tuned)
-    assert shapes.shape_for(1).num_draft_tokens == 4 and shapes.shape_for(2).num_steps == 0
-    on_cuda = SpecSchedule.from_file(tuned, "cuda")  # verified nodes cost almost nothing there: longer
+    # on CPU up to 8 nodes, each of an estimated acceptance >= 0.4 (a verified node costs ~0.2 decode steps)
+    assert shapes.shape_for(1).num_draft_tokens == 8 and shapes.shape_for(2).num_steps == 0
+    assert shapes.shape_for(1).ngram_min_accept_prob == 0.4
+    on_cuda = SpecSchedule.from_file(tuned, "cuda")  # verified nodes cost almost nothing there: fill 8
     assert on_cuda.shape_for(1).num_draft_tokens == 8 and on_cuda.shape_for(2).num_steps == 0
+    assert on_cuda.shape_for(1).ngram_min_accept_prob == 0.0
     # another model, or a tree size given: the same chain at every batch size
     assert ServerArgs(model_path="/some/model", speculative_algorithm="NGRAM").resolve().speculative_config is None
     resolved = ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=6).resolve()
@@ -285,6 +288,8 @@ def test_ngram_refuses_eagle_flags_naming_them(field, value, flag):
      "--speculative-ngram-max-bfs-breadth"),
     ({"speculative_ngram_branch_length": 1}, "--speculative-ngram-branch-length"),
     ({"speculative_ngram_capacity": 0}, "--speculative-ngram-capacity"),
+    ({"speculative_ngram_min_accept_prob": 1.0}, "--speculative-ngram-min-accept-prob"),
+    ({"speculative_ngram_min_accept_prob": -0.1}, "--speculative-ngram-min-accept-prob"),
 ])
 @pytest.mark.parametrize("algorithm", ["NGRAM", "NONE"])
 def test_bad_ngram_flags_name_the_flag(values, flag, algorithm):
@@ -297,6 +302,8 @@ def test_ngram_cli_flags_parse():
                                 "--speculative-ngram-max-match-window-size", "6"])
     assert (args.speculative_algorithm, args.speculative_ngram_capacity,
             args.speculative_ngram_max_match_window_size) == ("NGRAM", 5000, 6)
+    assert args.speculative_ngram_min_accept_prob is None  # the schedule entry's
+    assert ServerArgs.from_cli(["--speculative-ngram-min-accept-prob", "0.25"]).speculative_ngram_min_accept_prob == 0.25
 
 
 @pytest.mark.parametrize("algorithm", ["NONE", "NGRAM"])

@@ -29,7 +29,8 @@ def shipped_draft_path(algorithm: str) -> Path | None:
 
 def ngram_schedule_path() -> Path | None:
     """The NGRAM schedule tuned for the default model (speculate at batch 1, plain above: on two CPU
-    cores every verified node costs ~0.2 of a decode step, so larger batches lose; a 4-node chain on
-    CPU, 8 nodes on CUDA, where verified nodes cost almost nothing), or None."""
+    cores every verified node costs ~0.2 of a decode step, so larger batches lose; on CPU up to 8 nodes
+    whose estimated acceptance is >= 0.4, on CUDA, where verified nodes cost almost nothing, 8 nodes),
+    or None."""
     path = HERE / "ngram" / "speculative_config.json"
     return path if path.is_file() else None

@@ -4,7 +4,8 @@ no draft model, so no draft KV, no hidden states and no per-request draft state.
 
 One step, with the same division of work as EagleWorker:
   1. `decode_step(reqs, shape)`: per request, up to `shape.num_draft_tokens - 1` drafts continuing its
-     own prompt + output (a request with no match gets the root alone), one tree per request
+     own prompt + output, each of at least the shape's estimated acceptance (a request with no such
+     draft gets the root alone), one tree per request
      (tree.tree_from_parents), one TARGET_VERIFY forward, rejected slots freed, a `SpecStepResult`.
      Nothing else changes.
   2. The Scheduler commits the result.
@@ -61,6 +62,7 @@ class NgramWorker:
         self.schedule = SpecSchedule.from_flags(args.speculative_config, ndraft - 1, 1, ndraft,
                                                 target_runner.device.type)
         self.cache = NgramCache(ngram_config(args))
+        self.min_accept_prob_flag = args.speculative_ngram_min_accept_prob  # None: each shape's own
         self.text: dict[str, TextCursor] = {}  # rid -> where its text stands in the cache (cheap inserts)
         self.target = target_runner
         self.req_to_token_pool, self.allocator = req_to_token_pool, allocator
@@ -86,11 +88,18 @@ class NgramWorker:
         if cursor is not None:
             self.cache.insert_rest(req.all_ids, cursor)
 
-    def wants_drafts(self, reqs: list[Req]) -> bool:
-        """Whether any request has a draft this step (else the Scheduler runs a plain step)."""
+    def min_accept_prob(self, shape: SpecShape) -> float:
+        """The estimated acceptance a draft node needs to join this step's tree."""
+        flag = self.min_accept_prob_flag
+        return shape.ngram_min_accept_prob if flag is None else flag
+
+    def wants_drafts(self, reqs: list[Req], shape: SpecShape) -> bool:
+        """Whether any request has a draft node worth verifying this step (else the Scheduler runs a
+        plain step)."""
         for req in reqs:
             self._catch_up(req)
-        return any(self.cache.has_match(r.all_ids, 0) for r in reqs)
+        min_accept = self.min_accept_prob(shape)
+        return any(self.cache.has_match(r.all_ids, 0, min_accept) for r in reqs)
 
     def release(self, req: Req, keep_draft_kv: bool) -> None:
         """Insert what is left of the request's text, then forget its cursor; the cache keeps the text."""
@@ -102,13 +111,13 @@ class NgramWorker:
         self.cache = NgramCache(self.cache.config)
         self.text.clear()
 
-    def _draft(self, req: Req, max_drafts: int) -> tuple[list[int], list[int]]:
+    def _draft(self, req: Req, max_drafts: int, min_accept: float) -> tuple[list[int], list[int]]:
         """(tokens, parents) of one request's drafts. A constrained request asks the cache for twice its
         budget and keeps the drafts its grammar allows, so its nodes go to tokens that can be accepted."""
         if req.grammar is None:
-            draft = self.cache.draft(req.all_ids, max_drafts)
+            draft = self.cache.draft(req.all_ids, max_drafts, min_accept)
             return draft.tokens, draft.parents
-        draft = self.cache.draft(req.all_ids, GRAMMAR_DRAFT_OVERSAMPLE * max_drafts)
+        draft = self.cache.draft(req.all_ids, GRAMMAR_DRAFT_OVERSAMPLE * max_drafts, min_accept)
         return req.grammar.allowed_drafts(draft.tokens, draft.parents, max_drafts)
 
     def decode_step(self, reqs: list[Req], shape: SpecShape) -> SpecStepResult:
@@ -120,7 +129,8 @@ class NgramWorker:
         kv_lens = [r.kv_len for r in reqs]
         prefix_slots = [self.req_to_token_pool.read(r.req_pool_idx, 0, k) for r, k in zip(reqs, kv_lens, strict=True)]
         roots = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=self.device)
-        drafts = [self._draft(r, shape.num_draft_tokens - 1) for r in reqs]
+        min_accept = self.min_accept_prob(shape)
+        drafts = [self._draft(r, shape.num_draft_tokens - 1, min_accept) for r in reqs]
         tree = tree_from_parents(roots, [d[0] for d in drafts], [d[1] for d in drafts], kv_lens)
         return verify_tree_step(reqs, tree, kv_lens, prefix_slots, self.target, self.allocator,
                                 self.target_capture_layers, return_all_hidden=False, node_sources="ngram")

@@ -13,6 +13,10 @@ File format (JSON), entries in increasing max_batch_size, the last may have max_
         {"max_batch_size": null, "num_steps": 0}
     ]}
 
+An NGRAM entry may add "ngram_min_accept_prob" (default 0): draft nodes whose estimated chance of
+acceptance is lower stay out of the tree, so the tree is sized by what its n-gram matches promise, up
+to num_draft_tokens (--speculative-ngram-min-accept-prob overrides it for every entry).
+
 A file may add "schedule_cuda", a list in the same format that replaces "schedule" when the target runs
 on a CUDA device: there a verified node costs almost nothing (the step is bound by kernel launches), on
 two CPU cores ~0.2 of a decode step, so the two tune to different trees.
@@ -36,6 +40,9 @@ class SpecShape:
     num_steps: int
     topk: int
     num_draft_tokens: int
+    # NGRAM only: a draft node joins the tree only if its estimated chance of acceptance is at least this
+    # (0: fill the node budget, as SGLang does; ngram_cache.NgramCache.draft)
+    ngram_min_accept_prob: float = 0.0
 
     @property
     def slots_per_request(self) -> int:
@@ -110,14 +117,17 @@ class SpecSchedule:
                 steps = int(e["num_steps"])
                 topk = int(e.get("eagle_topk", 1)) if steps else 1
                 ndraft = int(e.get("num_draft_tokens", steps + 1)) if steps else 1
+                min_accept = float(e.get("ngram_min_accept_prob", 0.0))
             except (AttributeError, KeyError, TypeError, ValueError) as err:
                 raise ScheduleError(f"{where}: {err!r}") from err
+            if not 0.0 <= min_accept < 1.0:
+                raise ScheduleError(f"{where}: ngram_min_accept_prob must be in [0, 1)")
             if bound is not None and (not isinstance(bound, int) or bound <= last):
                 raise ScheduleError(f"{where}: max_batch_size must increase and be a positive integer")
             if entries and entries[-1][0] is None:
                 raise ScheduleError(f"{where}: comes after an entry without max_batch_size")
             validate_shape(steps, topk, ndraft, where)
-            entries.append((bound, SpecShape(steps, topk, ndraft)))
+            entries.append((bound, SpecShape(steps, topk, ndraft, min_accept)))
             last = bound or last
         return cls(entries)
 

@@ -1,5 +1,5 @@
 """The NGRAM draft source (treespec/speculative/ngram_cache.py): what a draft proposes (longest match,
-most frequent first, breadth by match length), counts under incremental inserts, and the capacity bound
+likeliest nodes first down to a threshold, breadth by match length), counts under incremental inserts, and the capacity bound
 with least-recently-used eviction."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treespec.speculative.ngram_cache import ROOT, NgramCache, NgramConfig
+from treespec.speculative.ngram_cache import ROOT, NgramCache, NgramConfig, continuation_accept_prob
 
 
 def cache_with(*texts: list[int], **config) -> NgramCache:
@@ -36,7 +36,7 @@ def ngram_counts(cache: NgramCache) -> dict[tuple[int, ...], int]:
     return counts
 
 
-def test_longest_match_then_breadth_first_by_count_then_recency():
+def test_longest_match_then_likeliest_first_by_count_then_recency():
     cache = cache_with([1, 2, 3, 4, 1, 2, 3, 5])
     draft = cache.draft([9, 1, 2], 5)
     # [9, 1, 2] is unseen, [1, 2] matched; 3 follows it twice; 4 and 5 once each, 5 more recently
@@ -72,8 +72,27 @@ def test_breadth_falls_from_max_at_short_matches_to_min_at_long_ones():
 def test_stored_ngrams_stop_at_branch_length():
     cache = cache_with(list(range(100, 110)), branch_length=4)
     assert max(len(path) for path in ngram_counts(cache)) == 4
-    draft = cache.draft([100, 101], 10)  # continuations of a 2-token match are at most 2 deep
-    assert draft.tokens == [102, 103] and draft.parents == [0, 1]
+    # a stored continuation of a 2-token match is at most 2 deep; past it the draft matches again
+    draft = cache.draft([100, 101], 10)
+    assert draft.tokens == list(range(102, 110)) and draft.parents == list(range(8))
+    assert cache.draft([100, 101], 10, min_accept_prob=0.0).tokens == draft.tokens
+    assert cache.draft([100, 101], 2).tokens == [102, 103]
+
+
+def test_nodes_join_by_estimated_acceptance_down_to_the_threshold():
+    # [1, 2] continues as 3 three times and 4 once; [1, 2, 3] always continues as 5
+    cache = cache_with([1, 2, 3, 5], [1, 2, 3, 5], [1, 2, 3, 5], [1, 2, 4])
+    p3 = continuation_accept_prob(2) * 3 / 4
+    p5 = p3 * continuation_accept_prob(3)
+    p4 = continuation_accept_prob(2) * 1 / 4
+    assert p3 > p5 > p4
+    assert cache.draft([1, 2], 3).tokens == [3, 5, 4]  # the likeliest first, whatever the depth
+    assert cache.draft([1, 2], 3).parents == [0, 1, 0]
+    assert cache.draft([1, 2], 3, min_accept_prob=p4 + 1e-9).tokens == [3, 5]
+    assert cache.draft([1, 2], 3, min_accept_prob=p3 + 1e-9).tokens == []
+    assert cache.has_match([1, 2], 2, min_accept_prob=p3) and not cache.has_match([1, 2], 2, p3 + 1e-9)
+    # longer matches are trusted more
+    assert [round(continuation_accept_prob(w), 2) for w in (1, 2, 6, 12)] == [0.45, 0.56, 0.82, 0.95]
 
 
 @settings(max_examples=60, deadline=None)
@@ -107,16 +126,16 @@ def test_least_recently_used_branches_are_evicted_first():
     size = len(cache_with(first, branch_length=3))  # 15 nodes: 6 + 5 + 4
     # untouched since inserted: the oldest text goes entirely, the newer one is intact
     cache = cache_with(first, second, branch_length=3, capacity=2 * size)
-    before = cache.draft([11, 12], 4).tokens
+    before = cache.draft([11, 12], 1).tokens
     cache.insert(third)
     assert len(cache) == 2 * size
-    assert cache.draft([1, 2], 4).tokens == [] and cache.draft([11, 12], 4).tokens == before == [13]
+    assert cache.draft([1, 2], 1).tokens == [] and cache.draft([11, 12], 1).tokens == before == [13]
     assert all(path[0] not in first for path in ngram_counts(cache))
     # a draft from the oldest text marks its path used: that path survives, the newer text loses instead
     cache = cache_with(first, second, branch_length=3, capacity=2 * size)
-    assert cache.draft([1, 2], 4).tokens == [3]
+    assert cache.draft([1, 2], 1).tokens == [3]  # one node: a longer draft would touch more of the text
     cache.insert(third)
-    assert cache.draft([1, 2], 4).tokens == [3]
+    assert cache.draft([1, 2], 1).tokens == [3]
     assert (1, 2, 3) in ngram_counts(cache) and (11, 12, 13) not in ngram_counts(cache)
 
 

@@ -64,8 +64,8 @@ def record_drafts(engine: Engine) -> list[list[int]]:
     drafts: list[list[int]] = []
     real_draft = cache.draft
 
-    def recording_draft(context, max_drafts):
-        draft = real_draft(context, max_drafts)
+    def recording_draft(context, max_drafts, min_accept_prob=0.0):
+        draft = real_draft(context, max_drafts, min_accept_prob)
         drafts.append(list(draft.tokens))
         return draft
 
@@ -92,11 +92,13 @@ def references(model_dirs) -> dict:
 
 
 @pytest.mark.parametrize("min_match", [1, 2], ids=["match1", "match2-default"])
-@pytest.mark.parametrize("draft_tokens", [None, 8], ids=["default-4", "draft8"])
+@pytest.mark.parametrize(("draft_tokens", "min_accept"), [(None, None), (8, None), (8, 0.4)],
+                         ids=["default-4", "draft8", "draft8-min-accept"])
 @pytest.mark.parametrize("kind", ["lookup", "random"])
-def test_greedy_ngram_matches_plain_decoding(model_dirs, references, kind, draft_tokens, min_match) -> None:
+def test_greedy_ngram_matches_plain_decoding(model_dirs, references, kind, draft_tokens, min_accept, min_match) -> None:
     engine = engine_for(model_dirs, kind, ngram=True, speculative_num_draft_tokens=draft_tokens,
-                        speculative_ngram_min_match_window_size=min_match)
+                        speculative_ngram_min_match_window_size=min_match,
+                        speculative_ngram_min_accept_prob=min_accept)
     assert engine.server_args.speculative_num_draft_tokens == (draft_tokens or 4)
     drafts = record_drafts(engine)
     for batch_size in (1, 4):
@@ -107,7 +109,7 @@ def test_greedy_ngram_matches_plain_decoding(model_dirs, references, kind, draft
     assert proposed > 0 and stats["spec_shrunk_steps"] == 0
     if kind == "lookup":  # drafts are accepted: the test has power
         assert stats["avg_spec_accept_length"] > 1.5, stats["avg_spec_accept_length"]
-    elif min_match == 1:  # drafts are proposed and mostly rejected (longer matches draft less, and better)
+    elif min_match == 1 and min_accept is None:  # drafts proposed and mostly rejected (longer matches: fewer, better)
         assert accepted < 0.5 * proposed, (accepted, proposed)
 
 
@@ -240,13 +242,35 @@ def default_model_worker(device: str):
     return NgramWorker(ServerArgs().resolve(), SimpleNamespace(device=torch.device(device)), None, None)
 
 
-@pytest.mark.parametrize(("device", "chain"), [("cpu", 4), ("cuda", 8)])
-def test_worker_takes_the_shipped_schedule_for_its_device(device, chain) -> None:
+@pytest.mark.parametrize(("device", "min_accept"), [("cpu", 0.4), ("cuda", 0.0)])
+def test_worker_takes_the_shipped_schedule_for_its_device(device, min_accept) -> None:
     """The default model's tuned file holds a CPU and a CUDA schedule; the worker picks by its runner's
     device (no CUDA needed: the worker only reads the device's type when it is built)."""
     worker = default_model_worker(device)
-    assert worker.schedule.shape_for(1).num_draft_tokens == chain
+    assert worker.schedule.shape_for(1).num_draft_tokens == 8
+    assert worker.min_accept_prob(worker.schedule.shape_for(1)) == min_accept
     assert worker.schedule.shape_for(2).num_steps == 0
+
+
+def test_the_acceptance_threshold_decides_between_a_plain_step_and_a_verify() -> None:
+    """A request whose best draft node is estimated below the threshold gets a plain step; the flag
+    overrides the schedule's threshold."""
+    from types import SimpleNamespace
+
+    from treespec.speculative.ngram_cache import continuation_accept_prob
+
+    worker = default_model_worker("cpu")
+    shape = worker.schedule.shape_for(1)
+    req = SimpleNamespace(rid="a", all_ids=[11, 12, 13, 11, 12, 14, 11, 12], kv_len=7, seq_len=8)
+    worker.after_prefill([req], [7], None, None)
+    # (11, 12) went on as 13 once and 14 once: each half of the 2-token match's estimate (0.28 < 0.4)
+    assert continuation_accept_prob(2) / 2 < shape.ngram_min_accept_prob
+    assert not worker.wants_drafts([req], shape)
+    worker.min_accept_prob_flag = 0.2
+    assert worker.wants_drafts([req], shape)
+    req.all_ids += [14, 11, 12, 14, 11]  # (12, 14, 11) has always gone on as 12: a 3-token match
+    worker.min_accept_prob_flag = None
+    assert worker.wants_drafts([req], shape)
 
 
 def test_plain_step_tokens_wait_for_the_next_draft_or_the_release() -> None:
@@ -264,10 +288,10 @@ def test_plain_step_tokens_wait_for_the_next_draft_or_the_release() -> None:
         req.all_ids.append(token)
         worker.defer_extend([req], [token], None, None)
     assert len(worker.cache) == inserted and cursor.length == 6  # nothing yet
-    assert not worker.wants_drafts([req])  # no 2-token match for (17, 18) before it catches up: none after
+    assert not worker.wants_drafts([req], worker.schedule.shape_for(1))  # no 2-token match for (17, 18) before it catches up: none after
     assert cursor.length == 8 and len(worker.cache) > inserted
     req.all_ids += [11, 12]
-    assert worker.wants_drafts([req])  # (11, 12) was seen: 13 follows
+    assert worker.wants_drafts([req], worker.schedule.shape_for(1))  # (11, 12) was seen: 13 follows
     worker.defer_extend([req], [12], None, None)
     req.all_ids.append(13)
     before_release = len(worker.cache)

@@ -33,6 +33,21 @@ def test_shape_by_batch_size(tmp_path):
     assert sched.shape_for(1).slots_per_request == 5  # the larger of the 5-node verify and 2x2 draft scratch
 
 
+def test_ngram_entries_carry_their_acceptance_threshold(tmp_path):
+    entry = {"max_batch_size": 1, "num_steps": 7, "num_draft_tokens": 8, "ngram_min_accept_prob": 0.4}
+    sched = SpecSchedule.from_file(write(tmp_path, {"schedule": [entry, {"max_batch_size": None, "num_steps": 1}]}))
+    assert sched.shape_for(1) == SpecShape(7, 1, 8, 0.4)
+    assert sched.shape_for(2).ngram_min_accept_prob == 0.0  # not given: fill the budget
+    for bad in (1.0, -0.5, "high"):
+        with pytest.raises(ScheduleError, match="--speculative-config entry 0"):
+            SpecSchedule.from_file(write(tmp_path, {"schedule": [{**entry, "ngram_min_accept_prob": bad}]}))
+    # an EAGLE schedule has no n-gram drafts to hold back: the key there is an error, not ignored
+    args = ServerArgs(speculative_algorithm="EAGLE3", speculative_config=write(tmp_path, {"schedule": [entry]}),
+                      speculative_draft_model_path="x", model_path="y")
+    with pytest.raises(ArgError, match="^--speculative-config: ngram_min_accept_prob applies to NGRAM"):
+        args.resolve()
+
+
 def test_cuda_entries_replace_the_schedule_on_cuda_only(tmp_path):
     cuda = [{"max_batch_size": 4, "num_steps": 7, "num_draft_tokens": 8}]
     path = write(tmp_path, {**SCHEDULE, "schedule_cuda": cuda})
