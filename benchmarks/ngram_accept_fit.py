@@ -1,0 +1,186 @@
+"""Where NGRAM's acceptance estimate and its tuned threshold come from, reproducibly.
+
+    python benchmarks/ngram_accept_fit.py                         # the tuning set: fit table + replay
+    python benchmarks/ngram_accept_fit.py --set heldout           # the benchmark workloads, to check it
+
+1. Greedy replies of the default model (plain decoding, 160 new tokens) to a prompt set, cached in
+   --replies. The tuning set is material no benchmark uses: ShareGPT training-split first turns and
+   three-turn conversations, functions of `rich` to comment, docstrings of `requests` and `starlette` to
+   summarise (12 each). `heldout` is bench_spec_ab's four workloads.
+2. The fit: replaying each reply token by token through an NgramCache fed as the server feeds it (the
+   prompt, then every token; one cache per workload, as a flushed bench_spec_ab pass), how often the
+   target's token is a continuation of the longest match, per matched length, each continuation weighed
+   by its share of its siblings' counts; beside it `continuation_accept_prob`, the formula the cache uses.
+3. The replay: each drafting setting (node budget, threshold) run over the same replies as a server would
+   draft and verify them, with a cost model in decode steps (a verify of r rows costs
+   --verify-base + --verify-per-row x (r - 1): 1.14 and 0.195, a scheduler step's wall time by verify
+   rows against a decode step's, in process on the Intel VM), printing verify steps, accepted drafts and the modelled speed-up over plain
+   (prefill not counted). Greedy replay is exact for acceptance (the target's tokens are the replies);
+   only the cost is a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from treespec.speculative.ngram_cache import NgramCache, NgramConfig, TextCursor, continuation_accept_prob
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import spec_workloads as sw  # noqa: E402
+
+Reply = tuple[list[int], list[int]]  # prompt ids, greedy output ids
+
+
+def tuning_prompts(tokenizer, n: int) -> dict[str, list[list[int]]]:
+    """The tuning set: the same four kinds of workload as the benchmark, from other material."""
+    from treespec.train.data import load_conversations, split_conversations
+
+    train, _ = split_conversations(load_conversations(None), 500)
+    train = train[1000:4000]
+    three = [[dict(m) for m in c[:3]] for c in train
+             if len(c) >= 3 and [m["role"] for m in c[:3]] == ["user", "assistant", "user"]]
+    return {
+        "chat": sw._templated(tokenizer, [[dict(c[0])] for c in train if c[0]["role"] == "user"], n, 768),
+        "multiturn": sw._templated(tokenizer, three, n, 768),
+        "code_edit": sw._templated(tokenizer, [[{"role": "user", "content": sw.CODE_EDIT.format(code=f)}]
+                                               for f in sw._functions("rich", 8, 30)], n, 768),
+        "summarise": sw._templated(tokenizer, [[{"role": "user", "content": sw.SUMMARISE.format(text=d)}]
+                                               for d in sw._docstrings(("requests", "starlette"), 400)], n, 768),
+    }
+
+
+def greedy_replies(prompt_set: str, n: int, max_new_tokens: int) -> dict[str, list[Reply]]:
+    from treespec.engine import Engine
+    from treespec.model_loader import resolve_model_path
+    from treespec.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model_path(None))
+    if prompt_set == "tuning":
+        prompts = tuning_prompts(tokenizer, n)
+    else:
+        prompts = {w: sw.workload_prompts(w, tokenizer, n) for w in sw.WORKLOADS}
+    engine = Engine(speculative_algorithm="NONE")
+    params = {"temperature": 0, "max_new_tokens": max_new_tokens}
+    out = {w: [(p, engine.generate(input_ids=p, sampling_params=params)["output_ids"]) for p in ps]
+           for w, ps in prompts.items()}
+    engine.shutdown()
+    return out
+
+
+def fit_table(replies: list[Reply], max_width: int = 12) -> dict[int, tuple[float, float]]:
+    """Per matched length (capped at max_width): (weight, share-weighted hit rate) of the longest match's
+    continuations against the reply's next token."""
+    cache = NgramCache(NgramConfig(min_match_window=1, max_match_window=max_width))
+    weight: dict[int, float] = {}
+    hits: dict[int, float] = {}
+    for prompt, output in replies:
+        ids, cursor = prompt + output[:1], TextCursor()
+        cache.insert(ids, None, cursor)
+        for t in range(1, len(output)):
+            node, width = cache._longest_match(ids)
+            if node is not None:
+                children = cache.children[node]
+                total = sum(cache.count[c] for c in children.values()) or 1
+                w = min(width, max_width)
+                for child in children.values():
+                    weight[w] = weight.get(w, 0.0) + cache.count[child] / total
+                    hits[w] = hits.get(w, 0.0) + (cache.token[child] == output[t])
+            ids = ids + output[t : t + 1]
+            cache.insert(ids, 1, cursor)
+    return {w: (weight[w], hits[w] / weight[w]) for w in sorted(weight) if weight[w] > 0}
+
+
+def accepted_along(tokens: list[int], parents: list[int], target: list[int]) -> int:
+    """How many drafts greedy verification keeps: the longest tree path spelling the target's tokens."""
+    node, kept = 0, 0
+    while kept < len(target):
+        nxt = next((i + 1 for i, (tok, p) in enumerate(zip(tokens, parents, strict=True))
+                    if p == node and tok == target[kept]), None)
+        if nxt is None:
+            break
+        node, kept = nxt, kept + 1
+    return kept
+
+
+def replay(replies: list[Reply], budget: int, min_accept: float, verify_cost: Callable[[int], float],
+           config: NgramConfig | None = None) -> dict:
+    """Draft and verify each reply as the NGRAM worker would (one cache for the set, flushed before it):
+    verify steps, accepted drafts, tokens and the modelled speed-up over plain decoding."""
+    cache = NgramCache(config or NgramConfig(min_match_window=2))
+    cost = plain = 0.0
+    verifies = accepted = 0
+    for prompt, output in replies:
+        ids, cursor = prompt + output[:1], TextCursor()
+        cache.insert(ids, None, cursor)
+        t = 1
+        while t < len(output):
+            draft = cache.draft(ids, budget - 1, min_accept) if cache.has_match(ids, 0, min_accept) else None
+            if draft is not None and draft.tokens:
+                kept = accepted_along(draft.tokens, draft.parents, output[t:])
+                cost += verify_cost(1 + len(draft.tokens))
+                verifies, accepted = verifies + 1, accepted + kept
+                step = min(kept + 1, len(output) - t)
+            else:
+                cost, step = cost + 1.0, 1
+            ids = ids + output[t : t + step]
+            cache.insert(ids, step, cursor)
+            t += step
+        plain += len(output) - 1
+    return {"verify_steps": verifies, "accepted_drafts": accepted, "speedup": plain / cost if cost else 1.0}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--set", choices=("tuning", "heldout"), default="tuning")
+    p.add_argument("--num-prompts", type=int, default=12)
+    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--replies", default=None, help="cache of the greedy replies (default: ngram_replies_<set>.json)")
+    p.add_argument("--budgets", default="4,8,12")
+    p.add_argument("--thresholds", default="0,0.3,0.4,0.5")
+    p.add_argument("--verify-base", type=float, default=1.14)
+    p.add_argument("--verify-per-row", type=float, default=0.195)
+    p.add_argument("--json", default="ngram_accept_fit.json")
+    args = p.parse_args(argv)
+
+    path = Path(args.replies or f"ngram_replies_{args.set}.json")
+    if path.is_file():
+        replies = {w: [tuple(r) for r in rs] for w, rs in json.loads(path.read_text()).items()}
+    else:
+        replies = greedy_replies(args.set, args.num_prompts, args.max_new_tokens)
+        path.write_text(json.dumps(replies))
+
+    pooled = [r for rs in replies.values() for r in rs]
+    table = fit_table(pooled)
+    print(f"acceptance by matched length ({args.set} set, {len(pooled)} replies, share-weighted)")
+    print("width  weight  measured  continuation_accept_prob")
+    for w, (weight, rate) in table.items():
+        print(f"{w:5d} {weight:7.0f}  {rate:8.2f}  {continuation_accept_prob(w):8.2f}")
+
+    def verify_cost(rows: int) -> float:
+        return args.verify_base + args.verify_per_row * (rows - 1)
+
+    budgets = [int(b) for b in args.budgets.split(",")]
+    thresholds = [float(x) for x in args.thresholds.split(",")]
+    rows = []
+    print("\nreplay: modelled speed-up over plain (verify steps, accepted drafts)")
+    print("workload    " + "".join(f"{f'{b} nodes >= {th}':>24}" for b in budgets for th in thresholds))
+    for workload, rs in replies.items():
+        line = f"{workload:11s} "
+        for b in budgets:
+            for th in thresholds:
+                r = replay(rs, b, th, verify_cost)
+                rows.append({"workload": workload, "budget": b, "min_accept": th, **r})
+                line += f"{r['speedup']:>10.3f} ({r['verify_steps']:4d}, {r['accepted_drafts']:4d})"
+        print(line)
+    with open(args.json, "w") as f:
+        json.dump({"set": args.set, "fit": {str(w): v for w, v in table.items()}, "replay": rows}, f, indent=2)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
