@@ -72,26 +72,27 @@ def greedy_replies(prompt_set: str, n: int, max_new_tokens: int) -> dict[str, li
     return out
 
 
-def fit_table(replies: list[Reply], max_width: int = 12) -> dict[int, tuple[float, float]]:
+def fit_table(workloads: list[list[Reply]], max_width: int = 12) -> dict[int, tuple[float, float]]:
     """Per matched length (capped at max_width): (weight, share-weighted hit rate) of the longest match's
-    continuations against the reply's next token."""
-    cache = NgramCache(NgramConfig(min_match_window=1, max_match_window=max_width))
+    continuations against the reply's next token; one cache per workload."""
     weight: dict[int, float] = {}
     hits: dict[int, float] = {}
-    for prompt, output in replies:
-        ids, cursor = prompt + output[:1], TextCursor()
-        cache.insert(ids, None, cursor)
-        for t in range(1, len(output)):
-            node, width = cache._longest_match(ids)
-            if node is not None:
-                children = cache.children[node]
-                total = sum(cache.count[c] for c in children.values()) or 1
-                w = min(width, max_width)
-                for child in children.values():
-                    weight[w] = weight.get(w, 0.0) + cache.count[child] / total
-                    hits[w] = hits.get(w, 0.0) + (cache.token[child] == output[t])
-            ids = ids + output[t : t + 1]
-            cache.insert(ids, 1, cursor)
+    for replies in workloads:
+        cache = NgramCache(NgramConfig(min_match_window=1, max_match_window=max_width))
+        for prompt, output in replies:
+            ids, cursor = prompt + output[:1], TextCursor()
+            cache.insert(ids, None, cursor)
+            for t in range(1, len(output)):
+                node, width = cache._longest_match(ids)
+                if node is not None:
+                    children = cache.children[node]
+                    total = sum(cache.count[c] for c in children.values()) or 1
+                    w = min(width, max_width)
+                    for child in children.values():
+                        weight[w] = weight.get(w, 0.0) + cache.count[child] / total
+                        hits[w] = hits.get(w, 0.0) + (cache.token[child] == output[t])
+                ids = ids + output[t : t + 1]
+                cache.insert(ids, 1, cursor)
     return {w: (weight[w], hits[w] / weight[w]) for w in sorted(weight) if weight[w] > 0}
 
 
@@ -154,9 +155,9 @@ def main(argv: list[str] | None = None) -> None:
         replies = greedy_replies(args.set, args.num_prompts, args.max_new_tokens)
         path.write_text(json.dumps(replies))
 
-    pooled = [r for rs in replies.values() for r in rs]
-    table = fit_table(pooled)
-    print(f"acceptance by matched length ({args.set} set, {len(pooled)} replies, share-weighted)")
+    table = fit_table(list(replies.values()))
+    print(f"acceptance by matched length ({args.set} set, {sum(map(len, replies.values()))} replies, "
+          "share-weighted)")
     print("width  weight  measured  continuation_accept_prob")
     for w, (weight, rate) in table.items():
         print(f"{w:5d} {weight:7.0f}  {rate:8.2f}  {continuation_accept_prob(w):8.2f}")
