@@ -9,6 +9,7 @@ step of every running request.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import time
@@ -462,7 +463,8 @@ class Scheduler:
                 return shape
         self.stats["spec_shrunk_steps"] += 1
         steps = max(0, min(shape.num_steps, free // bs - 1))
-        return SpecShape(steps, 1, steps + 1, shape.ngram_min_accept_prob) if steps else PLAIN_STEP
+        # a chain of `steps`; every other setting of the step (its n-gram threshold) stays the schedule's
+        return dataclasses.replace(shape, num_steps=steps, topk=1, num_draft_tokens=steps + 1) if steps else PLAIN_STEP
 
     def _commit_spec_tokens(self, req: Req, result: SpecStepResult, b: int) -> int:
         """Append request b's verified tokens one at a time, so stop rules cut exactly where plain

@@ -222,8 +222,8 @@ class EagleWorker:
 
     def wants_drafts(self, reqs: list[Req], shape: SpecShape) -> bool:
         """Whether any request's drafts are worth a verify this step: its head drafts (by its measured
-        acceptance, adaptivity.HeadRecord) or a usable n-gram match (`shape` does not change it). Else the Scheduler runs a plain
-        step, and this worker defers the draft's work as for any plain step."""
+        acceptance, adaptivity.HeadRecord) or a usable n-gram match (`shape` does not change it). Else
+        the Scheduler runs a plain step, and this worker defers the draft's work as for any plain step."""
         if any(self.head_records.get(r.rid, HeadRecord()).drafts for r in reqs):
             return True
         if self.ngram is None:

@@ -172,6 +172,28 @@ def test_chunked_prefill_stop_tokens_and_tight_pool(model_dirs, references) -> N
     tight.check_pool_balance()
 
 
+def test_a_shrunk_tree_keeps_the_schedules_threshold(model_dirs, references, tmp_path) -> None:
+    """When KV is short the Scheduler shrinks the step's chain; the schedule's n-gram threshold stays."""
+    config = tmp_path / "spec.json"
+    config.write_text('{"schedule": [{"max_batch_size": null, "num_steps": 7, "num_draft_tokens": 8, '
+                      '"ngram_min_accept_prob": 0.3}]}')
+    tight = engine_for(model_dirs, "lookup", ngram=True, max_total_tokens=110, schedule_conservativeness=0.05,
+                       speculative_config=str(config))
+    worker = tight.scheduler.spec_worker
+    shapes, real_step = [], worker.decode_step
+
+    def recording_step(reqs, shape):
+        shapes.append(shape)
+        return real_step(reqs, shape)
+
+    worker.decode_step = recording_step
+    got = tight.generate(input_ids=PROMPTS[4:12], sampling_params=PARAMS[4:12])
+    assert [g["output_ids"] for g in got] == references["lookup"][4:12]
+    shrunk = [s for s in shapes if s.num_draft_tokens < 8]
+    assert shrunk and all(s.ngram_min_accept_prob == 0.3 for s in shapes)
+    tight.check_pool_balance()
+
+
 def test_aborts_mid_speculation_balance(model_dirs) -> None:
     engine = engine_for(model_dirs, "lookup", ngram=True, chunked_prefill_size=6)
     sched = engine.scheduler
