@@ -277,6 +277,9 @@ class ServerArgs:
                "applies to --speculative-algorithm EAGLE only (EAGLE-3 heads bring their own draft vocabulary)")
         if algo == "NGRAM":
             return self._resolve_ngram()
+        # the hybrid's n-gram nodes fill their budget (NgramCache.draft without a threshold): refused, not ignored
+        _check(self.speculative_ngram_min_accept_prob is None, "--speculative-ngram-min-accept-prob",
+               "applies to --speculative-algorithm NGRAM only")
         draft_path, token_map, schedule_path = self.speculative_draft_model_path, given_map, self.speculative_config
         shape = (self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens)
         if not draft_path and self.model_path is None:

@@ -303,6 +303,9 @@ def test_ngram_cli_flags_parse():
     assert (args.speculative_algorithm, args.speculative_ngram_capacity,
             args.speculative_ngram_max_match_window_size) == ("NGRAM", 5000, 6)
     assert args.speculative_ngram_min_accept_prob is None  # the schedule entry's
+    assert ServerArgs.from_cli(["--speculative-ngram-min-accept-prob", "0.25"]).resolve().speculative_algorithm == "NGRAM"
+    with pytest.raises(ArgError, match="^--speculative-ngram-min-accept-prob: applies to --speculative-algorithm NGRAM"):
+        ServerArgs(speculative_algorithm="EAGLE3", speculative_ngram_min_accept_prob=0.3).resolve()
     assert ServerArgs.from_cli(["--speculative-ngram-min-accept-prob", "0.25"]).speculative_ngram_min_accept_prob == 0.25
 
 
