@@ -398,7 +398,7 @@ FLAG_HELP = {
     "speculative_hybrid_ngram_tokens": "EAGLE/EAGLE3: n-gram nodes added to each draft tree where the "
                                        "context matches the n-gram cache well, adapting per request between 2 "
                                        "and 4x this (0 = off; default: 6 with the shipped EAGLE-3 head at its "
-                                       "tuned setting, 0 when a tree shape flag is given; the NGRAM flags apply)",
+                                       "tuned setting, 0 when a tree shape flag is given; the NGRAM flags apply but the min accept prob)",
     "host": "HTTP host",
     "port": "HTTP port",
     "api_key": "require this key as a Bearer token (all routes but /health)",
