@@ -82,7 +82,10 @@ def test_default_engine_takes_the_cuda_ngram_schedule():
 
     engine = Engine(device="cuda")  # the default model, --speculative-algorithm auto: NGRAM
     schedule = engine.scheduler.spec_worker.schedule
-    assert schedule.shape_for(1).num_draft_tokens == 8  # the file's "schedule_cuda"
-    assert schedule.shape_for(1).ngram_min_accept_prob == 0.0  # the CPU's is 0.4: rows cost more there
-    assert schedule.shape_for(2).num_steps == 0
+    # the file's "schedule_cuda": 8 nodes up to batch 4 (the CPU's: batch 1 only), no threshold (the CPU's
+    # is 0.4: rows cost more there), plain above
+    assert schedule.shape_for(1).num_draft_tokens == 8
+    assert schedule.shape_for(4).num_draft_tokens == 8
+    assert schedule.shape_for(1).ngram_min_accept_prob == 0.0
+    assert schedule.shape_for(5).num_steps == 0
     engine.shutdown()

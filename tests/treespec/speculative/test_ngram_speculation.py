@@ -264,14 +264,14 @@ def default_model_worker(device: str):
     return NgramWorker(ServerArgs().resolve(), SimpleNamespace(device=torch.device(device)), None, None)
 
 
-@pytest.mark.parametrize(("device", "min_accept"), [("cpu", 0.4), ("cuda", 0.0)])
-def test_worker_takes_the_shipped_schedule_for_its_device(device, min_accept) -> None:
+@pytest.mark.parametrize(("device", "min_accept", "max_speculating_batch"), [("cpu", 0.4, 1), ("cuda", 0.0, 4)])
+def test_worker_takes_the_shipped_schedule_for_its_device(device, min_accept, max_speculating_batch) -> None:
     """The default model's tuned file holds a CPU and a CUDA schedule; the worker picks by its runner's
     device (no CUDA needed: the worker only reads the device's type when it is built)."""
     worker = default_model_worker(device)
-    assert worker.schedule.shape_for(1).num_draft_tokens == 8
+    assert worker.schedule.shape_for(max_speculating_batch).num_draft_tokens == 8
     assert worker.min_accept_prob(worker.schedule.shape_for(1)) == min_accept
-    assert worker.schedule.shape_for(2).num_steps == 0
+    assert worker.schedule.shape_for(max_speculating_batch + 1).num_steps == 0
 
 
 def test_the_acceptance_threshold_decides_between_a_plain_step_and_a_verify() -> None:
