@@ -44,7 +44,9 @@ EAGLE_ONLY_FLAGS = {"speculative_draft_model_path": "--speculative-draft-model-p
 DRAFT_QUANTIZATIONS = ("none", "q8_0")  # --speculative-draft-model-quantization (treespec/models/block_quant.py)
 
 
-BLOCK_QUANT_ACTIVATIONS = ("fp32", "int8")  # --block-quant-activations; models/packed_linear.py checks it too
+BLOCK_QUANT_ACTIVATIONS = ("fp32", "int8")  # what a block-quant matmul takes; models/packed_linear.py checks it too
+# --block-quant-activations: auto = int8 wherever the block-quant kernel streams a GGUF model's weights
+BLOCK_QUANT_ACTIVATION_CHOICES = ("auto", *BLOCK_QUANT_ACTIVATIONS)
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")  # sglang-router's --policy
 
 
@@ -131,8 +133,9 @@ class ServerArgs:
     # CPU, GGUF models: stream the fp32 weights instead of their 32-block quant codes (same outputs, slower)
     disable_block_quant: bool = False
     # CPU, GGUF models: what the block-quant matmuls take their input rows as (int8: quantized per 32 k,
-    # as llama.cpp does; faster verify rows and prefill, different numerics from fp32)
-    block_quant_activations: str = "fp32"
+    # as llama.cpp does; faster decode, verify rows and prefill, other numerics than fp32's, speculation
+    # still exact). auto: int8 where the block-quant kernel runs (ModelRunner resolves it), else fp32
+    block_quant_activations: str = "auto"
     random_seed: int = 0
     skip_warmup: bool = False
     # data parallel: replicas behind sglang-router (server/dp_launcher.py)
@@ -161,9 +164,9 @@ class ServerArgs:
         _check(self.page_size == 1, "--page-size", "only page size 1 is supported so far")
         _check(0 < self.port < 65536, "--port", f"{self.port} is not a valid port")
         _check(self.num_threads is None or self.num_threads > 0, "--num-threads", "must be positive")
-        _check(self.block_quant_activations in BLOCK_QUANT_ACTIVATIONS, "--block-quant-activations",
-               f"must be one of {', '.join(BLOCK_QUANT_ACTIVATIONS)}, got {self.block_quant_activations!r}")
-        _check(self.block_quant_activations == "fp32" or not (self.disable_block_quant or self.disable_packed_linear),
+        _check(self.block_quant_activations in BLOCK_QUANT_ACTIVATION_CHOICES, "--block-quant-activations",
+               f"must be one of {', '.join(BLOCK_QUANT_ACTIVATION_CHOICES)}, got {self.block_quant_activations!r}")
+        _check(self.block_quant_activations != "int8" or not (self.disable_block_quant or self.disable_packed_linear),
                "--block-quant-activations", "int8 needs the block-quant kernel: drop --disable-block-quant and "
                "--disable-packed-linear")
         _check(self.device in ("auto", "cpu", "cuda") or self.device.removeprefix("cuda:").isdigit(), "--device",
@@ -406,9 +409,10 @@ FLAG_HELP = {
     "num_threads": "torch intra-op threads (default: torch's)",
     "disable_packed_linear": "CPU: plain F.linear instead of the packed-weight matmul kernel (same outputs, slower)",
     "disable_block_quant": "CPU, GGUF models: stream fp32 weights instead of the 32-block quant codes (same outputs)",
-    "block_quant_activations": "CPU, GGUF models: fp32 (default: outputs as over the dequantized fp32 weights) | "
+    "block_quant_activations": "CPU, GGUF models: auto (default: int8 wherever the block-quant kernel runs) | "
                                "int8 (each matmul's input quantized per 32 values, as llama.cpp does: faster "
-                               "prefill and verify, slightly different outputs; speculation stays exact)",
+                               "decode, verify and prefill; speculation stays exact) | fp32 (outputs as over "
+                               "the dequantized fp32 weights)",
     "random_seed": "base seed for requests that set none",
     "skip_warmup": "serve without the warm-up request",
     "dp_size": "data-parallel replicas: N full servers (own scheduler and KV pool) on internal ports behind "

@@ -36,7 +36,8 @@ class ModelRunner:
         tp: TPGroup | None = None,
         keep_full_vocab: bool = True,
     ) -> None:
-        """`block_quant_activations`: what block-quant matmuls take their inputs as (fp32 | int8);
+        """`block_quant_activations`: what block-quant matmuls take their inputs as (fp32 | int8 | auto:
+        int8 where GGUF blocks are streamed, else fp32; the choice is kept as `self.block_quant_activations`);
         `tp`: load this rank's shard; `keep_full_vocab`: under tp, keep the whole embedding and lm_head
         for a draft head that shares them (vocab_weights)."""
         self.device, self.dtype = device, dtype
@@ -54,6 +55,10 @@ class ModelRunner:
         # Only the panel layout streams them, so only then are they read.
         use_blocks = packed_linear and block_quant and packing_layout(device, dtype) == "panel"
         block_quants = load_block_quant(model_dir) if use_blocks else {}
+        requested_activations = block_quant_activations
+        if block_quant_activations == "auto":  # int8 only where the blocks are streamed: nothing else takes it
+            block_quant_activations = "int8" if block_quants else "fp32"
+        self.block_quant_activations = block_quant_activations
         # the whole embedding and lm_head, for a draft head that shares them (it runs replicated)
         self.full_vocab_weights: tuple[torch.Tensor, torch.Tensor] | None = None
         if tp is None:
@@ -77,8 +82,10 @@ class ModelRunner:
         self.model.rotary.to(device)
         self.packed_linear = packed_linear and self.model.pack_for_inference(device, dtype, block_quants,
                                                                              block_quant_activations)
-        if block_quant_activations != "fp32" and not self.model.has_block_quant_weights():
-            raise ValueError(f"--block-quant-activations {block_quant_activations}: no weight of this model runs on "
+        if not self.model.has_block_quant_weights():
+            self.block_quant_activations = "fp32"  # what auto means here: no matmul takes int8
+        if requested_activations == "int8" and self.block_quant_activations != "int8":
+            raise ValueError("--block-quant-activations int8: no weight of this model runs on "
                              "the block-quant kernel (it takes a GGUF Q4_0/Q4_1/Q8_0 model in fp32 on a CPU)")
         self.kv_pool = KVPool(
             kv_pool_size, self.config.num_layers, self.local_config.num_kv_heads, self.config.head_dim, dtype, device

@@ -586,6 +586,8 @@ class Scheduler:
             "token_usage": 1 - (self.allocator.available_size() + self.cache.evictable_size()) / self.allocator.size,
             "cache_hit_rate": self.stats["cached_tokens"] / prompt if prompt else 0.0,
             "speculative_algorithm": self.args.speculative_algorithm,
+            # what --block-quant-activations resolved to ("auto": int8 where GGUF blocks are streamed)
+            "block_quant_activations": self.runner.block_quant_activations,
             **{f"spec_accepted_drafts_{src}": n for src, n in sorted(self.spec_accepted_drafts.items())},
             # tokens emitted per verify step (accepted drafts + the bonus token), since start
             "avg_spec_accept_length": (

@@ -21,7 +21,8 @@ from bench_loader import load_benchmark  # noqa: E402
 @pytest.mark.skipif(cpu_attention.load() is None or cpu_norm.load() is None, reason="CPU kernels unavailable")
 def test_switching_kernels_keeps_greedy_outputs() -> None:
     bench = load_benchmark("bench_cpu_kernels")
-    eng = Engine(dtype="float32", max_total_tokens=2048, speculative_algorithm="EAGLE3")
+    eng = Engine(dtype="float32", block_quant_activations="fp32", max_total_tokens=2048,
+                 speculative_algorithm="EAGLE3")  # fp32: switching the block-quant kernel off keeps its numerics
     runners = [eng.scheduler.runner, eng.scheduler.spec_worker.draft]
     norms = [m for r in runners for m in r.model.modules() if isinstance(m, RMSNorm)]
     ids = eng.tokenizer.encode("The capital of France is Paris. The capital of Italy is")
@@ -41,7 +42,7 @@ def test_switching_kernels_keeps_greedy_outputs() -> None:
         assert all((m.kernel is not None) == norm for m in norms)
         eng.flush_cache()
         outputs.append(eng.generate(input_ids=ids, sampling_params=params)["output_ids"])
-    plain = Engine(dtype="float32", max_total_tokens=2048, speculative_algorithm="NONE")
+    plain = Engine(dtype="float32", block_quant_activations="fp32", max_total_tokens=2048, speculative_algorithm="NONE")
     plain_out = plain.generate(input_ids=ids, sampling_params=params)["output_ids"]
     assert all(out == plain_out for out in outputs)
     eng.check_pool_balance()

@@ -157,6 +157,31 @@ def test_int8_needs_block_quant_weights(tmp_path):
         ServerArgs(block_quant_activations="int8", disable_block_quant=True).resolve()
 
 
+def test_auto_activations_are_int8_where_blocks_stream_else_fp32(tmp_path):
+    """The default, --block-quant-activations auto: int8 for the matmuls over GGUF blocks, fp32 for a
+    model without them or with the block-quant kernel off (no error: auto asks for nothing); the
+    scheduler's stats say what it resolved to."""
+    from model_factory import make_tiny_model
+
+    from treespec.engine import Engine
+
+    assert ServerArgs().block_quant_activations == "auto"
+    blocks = write_block_quant_tiny_llama(tmp_path / "tiny")
+    auto = ModelRunner(blocks, torch.float32, CPU, kv_pool_size=64, block_quant_activations="auto")
+    assert auto.block_quant_activations == "int8"
+    assert {m.packed.activations for m in auto.model.layers.modules() if isinstance(m, PackedLinear)} == {"int8"}
+    assert auto.model.packed_lm_head.activations == "int8"
+    off = ModelRunner(blocks, torch.float32, CPU, kv_pool_size=64, block_quant=False, block_quant_activations="auto")
+    assert off.block_quant_activations == "fp32"
+    dense = make_tiny_model("llama", tmp_path / "dense")
+    assert ModelRunner(dense, torch.float32, CPU, kv_pool_size=64,
+                       block_quant_activations="auto").block_quant_activations == "fp32"
+    for path, want in ((blocks, "int8"), (dense, "fp32")):
+        engine = Engine(model_path=str(path), speculative_algorithm="NONE", max_total_tokens=256)
+        assert engine.get_stats()["block_quant_activations"] == want
+        engine.shutdown()
+
+
 PROMPTS = [
     "Repeat this list exactly: apple, banana, cherry, date, elderberry, fig, grape, honeydew.",
     "What is the capital of France?",

@@ -26,7 +26,10 @@ GREEDY_128 = {"temperature": 0, "max_new_tokens": 128}
 @pytest.fixture(scope="module")
 def engine():
     # plain decoding (the default model speculates by default; the speculative paths have their own tests)
-    eng = Engine(dtype="float32", max_total_tokens=8192, max_running_requests=16, speculative_algorithm="NONE")
+    # in fp32 throughout, the numerics transformers computes (the CPU default quantizes the GGUF matmuls'
+    # inputs to int8: tests/treespec/test_block_quant_int8.py)
+    eng = Engine(dtype="float32", block_quant_activations="fp32", max_total_tokens=8192, max_running_requests=16,
+                 speculative_algorithm="NONE")
     yield eng
     eng.shutdown()
 
