@@ -152,9 +152,10 @@ def test_ngram_takes_the_tuned_schedule_on_the_default_model_unless_settings_are
     assert tuned is not None  # shipped in the package
     assert ServerArgs().resolve().speculative_config == str(tuned)
     shapes = SpecSchedule.from_file(tuned)
-    # on CPU up to 8 nodes, each of an estimated acceptance >= 0.4 (a verified node costs ~0.2 decode steps)
-    assert shapes.shape_for(1).num_draft_tokens == 8 and shapes.shape_for(2).num_steps == 0
-    assert shapes.shape_for(1).ngram_min_accept_prob == 0.4
+    # on CPU up to 12 nodes, each of an estimated acceptance >= 0.3 (a verified node costs ~0.1-0.2 decode
+    # steps with int8 activations; benchmarks/ngram_accept_fit.py's replay)
+    assert shapes.shape_for(1).num_draft_tokens == 12 and shapes.shape_for(2).num_steps == 0
+    assert shapes.shape_for(1).ngram_min_accept_prob == 0.3
     # verified nodes cost almost nothing on CUDA: fill 8, up to batch 4 (measured on an H100, performance.md)
     on_cuda = SpecSchedule.from_file(tuned, "cuda")
     assert on_cuda.shape_for(4).num_draft_tokens == 8 and on_cuda.shape_for(5).num_steps == 0

@@ -264,12 +264,13 @@ def default_model_worker(device: str):
     return NgramWorker(ServerArgs().resolve(), SimpleNamespace(device=torch.device(device)), None, None)
 
 
-@pytest.mark.parametrize(("device", "min_accept", "max_speculating_batch"), [("cpu", 0.4, 1), ("cuda", 0.0, 4)])
-def test_worker_takes_the_shipped_schedule_for_its_device(device, min_accept, max_speculating_batch) -> None:
+@pytest.mark.parametrize(("device", "nodes", "min_accept", "max_speculating_batch"),
+                         [("cpu", 12, 0.3, 1), ("cuda", 8, 0.0, 4)])
+def test_worker_takes_the_shipped_schedule_for_its_device(device, nodes, min_accept, max_speculating_batch) -> None:
     """The default model's tuned file holds a CPU and a CUDA schedule; the worker picks by its runner's
     device (no CUDA needed: the worker only reads the device's type when it is built)."""
     worker = default_model_worker(device)
-    assert worker.schedule.shape_for(max_speculating_batch).num_draft_tokens == 8
+    assert worker.schedule.shape_for(max_speculating_batch).num_draft_tokens == nodes
     assert worker.min_accept_prob(worker.schedule.shape_for(1)) == min_accept
     assert worker.schedule.shape_for(max_speculating_batch + 1).num_steps == 0
 
@@ -285,7 +286,7 @@ def test_the_acceptance_threshold_decides_between_a_plain_step_and_a_verify() ->
     shape = worker.schedule.shape_for(1)
     req = SimpleNamespace(rid="a", all_ids=[11, 12, 13, 11, 12, 14, 11, 12], kv_len=7, seq_len=8)
     worker.after_prefill([req], [7], None, None)
-    # (11, 12) went on as 13 once and 14 once: each half of the 2-token match's estimate (0.28 < 0.4)
+    # (11, 12) went on as 13 once and 14 once: each half of the 2-token match's estimate (0.28 < 0.3)
     assert continuation_accept_prob(2) / 2 < shape.ngram_min_accept_prob
     assert not worker.wants_drafts([req], shape)
     worker.min_accept_prob_flag = 0.2
