@@ -67,6 +67,9 @@ def instrument_modules(timer: Timer) -> None:
         setattr(eagle_worker, name, timer.wrap("draft expansion + tree build", getattr(eagle_worker, name)))
     step_result.verify_tree_mixed = timer.wrap("acceptance", step_result.verify_tree_mixed)
     step_result.verify_batch = timer.wrap("verify batch build", step_result.verify_batch)
+    from treespec.speculative import ngram_worker
+
+    ngram_worker.tree_from_parents = timer.wrap("tree build", ngram_worker.tree_from_parents)
 
 
 def instrument(engine, timer: Timer) -> None:
@@ -76,7 +79,11 @@ def instrument(engine, timer: Timer) -> None:
     sched.runner.forward = timer.wrap(lambda batch, *a, **k: f"target {batch.mode.name}", sched.runner.forward)
     sched._commit_spec_tokens = timer.wrap("commit", sched._commit_spec_tokens)
     worker = sched.spec_worker
-    if worker is None or not hasattr(worker, "draft"):
+    if worker is None:
+        return
+    if not hasattr(worker, "draft"):  # NGRAM: no draft model; its drafting and the plain-or-speculate check
+        worker._draft = timer.wrap("n-gram drafts + merge", worker._draft)
+        worker.wants_drafts = timer.wrap("plain-or-speculate check", worker.wants_drafts)
         return
     worker.draft.forward = timer.wrap(lambda batch, *a, **k: f"draft {batch.mode.name}", worker.draft.forward)
     if getattr(worker, "ngram", None) is not None:
