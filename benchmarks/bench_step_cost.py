@@ -81,14 +81,13 @@ def instrument(engine, timer: Timer) -> None:
     worker = sched.spec_worker
     if worker is None:
         return
-    if not hasattr(worker, "draft"):  # NGRAM: no draft model; its drafting and the plain-or-speculate check
+    worker.wants_drafts = timer.wrap("plain-or-speculate check", worker.wants_drafts)
+    if not hasattr(worker, "draft"):  # NGRAM: no draft model, drafts from the n-gram cache alone
         worker._draft = timer.wrap("n-gram drafts + merge", worker._draft)
-        worker.wants_drafts = timer.wrap("plain-or-speculate check", worker.wants_drafts)
         return
     worker.draft.forward = timer.wrap(lambda batch, *a, **k: f"draft {batch.mode.name}", worker.draft.forward)
     if getattr(worker, "ngram", None) is not None:
         worker._ngram_drafts = timer.wrap("n-gram drafts + merge", worker._ngram_drafts)
-    worker.wants_drafts = timer.wrap("plain-or-speculate check", worker.wants_drafts)
     worker._assemble_tree = timer.wrap("n-gram drafts + merge", worker._assemble_tree)
 
 

@@ -82,11 +82,11 @@ class ModelRunner:
         self.model.rotary.to(device)
         self.packed_linear = packed_linear and self.model.pack_for_inference(device, dtype, block_quants,
                                                                              block_quant_activations)
-        if not self.model.has_block_quant_weights():
-            self.block_quant_activations = "fp32"  # what auto means here: no matmul takes int8
-        if requested_activations == "int8" and self.block_quant_activations != "int8":
-            raise ValueError("--block-quant-activations int8: no weight of this model runs on "
-                             "the block-quant kernel (it takes a GGUF Q4_0/Q4_1/Q8_0 model in fp32 on a CPU)")
+        if not self.model.has_block_quant_weights():  # no matmul takes int8: asked for, an error; auto, fp32
+            if requested_activations == "int8":
+                raise ValueError("--block-quant-activations int8: no weight of this model runs on the block-quant "
+                                 "kernel (it takes a GGUF Q4_0/Q4_1/Q8_0 model in fp32 on a CPU)")
+            self.block_quant_activations = "fp32"
         self.kv_pool = KVPool(
             kv_pool_size, self.config.num_layers, self.local_config.num_kv_heads, self.config.head_dim, dtype, device
         )
