@@ -1,5 +1,6 @@
 """The CPU RMSNorm kernel (kernels/cpu_norm.cpp): torch's results, rows independent of their batch,
-inference only, and the model runners really use it; plus the shared extension builder."""
+inference only, and the model runners really use it; its SiLU gate and greedy argmax; plus the shared
+extension builder."""
 
 from __future__ import annotations
 
@@ -135,6 +136,37 @@ def test_mlp_uses_silu_mul_for_fp32_inference_only() -> None:
     mlp.kernel = None
     with torch.inference_mode():
         torch.testing.assert_close(fused, mlp(x), rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+def test_argmax_rows_is_torch_max_index_and_greedy_tokens_uses_it(monkeypatch) -> None:
+    """The first maximum per row, NaN counting as the maximum, -0 equal to +0, all -inf -> 0: what
+    torch.max(dim=-1) returns, at every row length (the vector body and its tail)."""
+    gen = torch.Generator().manual_seed(1)
+    cases = [torch.randn(9, 49152, generator=gen), torch.randn(3, 23, generator=gen), torch.zeros(2, 40),
+             torch.full((2, 17), float("-inf")), torch.randint(0, 3, (20, 50), generator=gen).float()]
+    nan = torch.randn(5, 37, generator=gen)
+    nan[1, 5] = nan[1, 30] = nan[2, 36] = nan[3, 0] = float("nan")
+    nan[4, 9] = float("inf")
+    signed_zero = -torch.rand(2, 40, generator=gen) - 1
+    signed_zero[0, 3], signed_zero[0, 7], signed_zero[1, 33], signed_zero[1, 35] = -0.0, 0.0, 0.0, -0.0
+    cases += [nan, signed_zero]
+    kernel = cpu_norm.load()
+    for logits in cases:
+        assert torch.equal(kernel.argmax_rows(logits), logits.max(dim=-1).indices)
+    with pytest.raises(RuntimeError, match="argmax_rows"):
+        kernel.argmax_rows(torch.randn(2, 0))
+    calls = []
+
+    class Spy:
+        def argmax_rows(self, t):
+            calls.append(t.shape)
+            return kernel.argmax_rows(t)
+
+    monkeypatch.setattr(cpu_norm, "load", lambda: Spy())
+    from treespec.sampling import greedy_tokens
+    assert torch.equal(greedy_tokens(cases[0]), cases[0].max(dim=-1).indices) and calls == [(9, 49152)]
+    assert torch.equal(greedy_tokens(cases[0].double()), cases[0].max(dim=-1).indices) and len(calls) == 1
 
 
 def test_a_stale_build_lock_is_removed(tmp_path, monkeypatch) -> None:
