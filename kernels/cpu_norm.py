@@ -1,13 +1,15 @@
-"""CPU RMSNorm, with and without a residual add, for fp32 rows (`cpu_norm.cpp`, AVX2 + FMA).
+"""CPU RMSNorm, with and without a residual add, the SiLU gate and the greedy argmax, for fp32 rows
+(`cpu_norm.cpp`, AVX2 + FMA).
 
 Contract: `rms_norm(x, weight, eps)` = x * rsqrt(mean(x^2, -1) + eps) * weight and
 `add_rms_norm(x, residual, weight, eps)` = (h, rms_norm(h)) with h = x + residual, for contiguous
 fp32 x [M, D]; `silu_mul(gate_up)` = silu(gate_up[:, :I]) * gate_up[:, I:] for contiguous fp32
 [M, 2I] (I a multiple of 8; exp by the polynomial in avx2_math.h, so within a few ulp of torch's);
 `argmax_rows(logits)` = logits.max(dim=-1).indices for contiguous fp32 [M, V] (the first maximum, NaN
-counting as the maximum), the greedy token, ~8x faster than torch's; inference only (no autograd). Each row is reduced in one fixed order, so a row's
-result does not depend on the rest of the batch. It agrees with torch's rms_norm to fp32 rounding
-(the sum of squares is accumulated in a different order).
+counting as the maximum), the greedy token, ~8x faster than torch's; inference only (no autograd).
+Each row is reduced in one fixed order, so a row's result does not depend on the rest of the batch.
+It agrees with torch's rms_norm to fp32 rounding (the sum of squares is accumulated in a different
+order).
 
 Why: torch's rms_norm costs ~40 us per call on the 2-core dev machine, ~2.5 ms of a ~36 ms decode
 step of the default model (61 norms); this kernel is one call of ~1 us of work.
