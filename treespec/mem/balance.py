@@ -52,8 +52,9 @@ def check_pool_balance(
     both = torch.cat([free_slots, cached])
     if both.numel() and (int(both.min()) < 1 or int(both.max()) > allocator.size):
         raise AssertionError(f"slot id out of range 1..{allocator.size} in the free list or the cache")
-    uniq, counts = torch.unique(both, return_counts=True)
-    dup = uniq[counts > 1]
+    # ids are in 1..size here: counting them is ~20x cheaper than torch.unique's sort (0.1 vs 2 ms for a
+    # 64k-slot pool), and this check runs in the step that returns a batch-1 request's last token
+    dup = (torch.bincount(both, minlength=allocator.size + 1) > 1).nonzero().flatten()
     if dup.numel():
         raise AssertionError(
             f"{dup.numel()} slots are both free and cached, or listed twice (double free), e.g. {dup[:8].tolist()}"

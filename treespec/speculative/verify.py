@@ -82,9 +82,9 @@ def verify_tree_mixed(reqs: list[Req], logits: torch.Tensor, tree: DraftTree
     device = logits.device
     logits = tree_processed_logits(reqs, logits.float(), tree)
     args = (tree.candidates, tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling)
-    greedy = torch.tensor([r.sampling_params.greedy for r in reqs], device=device)
-    if bool(greedy.all()):
+    if all(r.sampling_params.greedy for r in reqs):
         return verify_tree_greedy(*args, greedy_tokens(logits).view(bs, n), tree.max_depth)
+    greedy = torch.tensor([r.sampling_params.greedy for r in reqs], device=device)
     sampled = [r for r in reqs if not r.sampling_params.greedy]
     rows = ~greedy.repeat_interleave(n)
     probs = torch.zeros_like(logits)

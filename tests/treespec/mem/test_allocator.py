@@ -71,3 +71,21 @@ def test_req_to_token_pool_slots() -> None:
     assert pool.read(r1, 0, 3).tolist() == [0, 7, 8]
     pool.free(r0)
     assert pool.alloc() == r0
+
+
+def test_freed_slots_queue_behind_the_free_list_in_order_and_are_copied() -> None:
+    """Freed slots are handed out after every slot free before them, in the order freed (as one
+    concatenated list would), and a caller reusing its tensor after free changes nothing."""
+    a = TokenToKVPoolAllocator(12)
+    first = a.alloc(6)  # 1..6
+    scratch = first[2:5].clone()
+    a.free(first[:2])
+    a.free(scratch)
+    scratch.fill_(99)  # the caller's tensor, reused
+    assert a.available_size() == 11
+    assert a.alloc(6).tolist() == [7, 8, 9, 10, 11, 12]  # the untouched tail first
+    assert a.alloc(3).tolist() == [1, 2, 3]  # then the freed ones, oldest first
+    state = a.backup_state()
+    assert a.alloc(2).tolist() == [4, 5]
+    a.restore_state(state)
+    assert a.free_slots.tolist() == [4, 5] and a.available_size() == 2
