@@ -142,12 +142,17 @@ class NgramCache:
         length = len(tokens)
         depth_limit = self.config.branch_length
         suffixes: list[int] = []  # nodes of tokens[start:], start descending: shortest first
-        move_to_end, count, tick = self._recency.move_to_end, self.count, self.tick  # local names: the hot loop
+        # local names: the hot loop (a node's existing child is looked up inline, `_child` makes new ones)
+        move_to_end, count, tick, children_of, new_child = (
+            self._recency.move_to_end, self.count, self.tick, self.children, self._child)
         for start in range(max(0, first_new - depth_limit + 1), length):
             self._clock += 1  # later occurrences are more recent, also within one call
             clock, node, path = self._clock, ROOT, []
             for j in range(start, min(start + depth_limit, length)):
-                child = self._child(node, tokens[j])
+                kids = children_of[node]
+                child = kids.get(tokens[j]) if kids else None
+                if child is None:
+                    child = new_child(node, tokens[j])
                 if j >= first_new:
                     count[child] += 1
                 path.append(child)
@@ -165,14 +170,18 @@ class NgramCache:
         """The new tokens one by one: each extends the empty suffix and every suffix of the cursor, the
         same n-grams `_insert_from_root` would count, touching only those nodes."""
         longest = self.config.branch_length - 1  # suffixes kept: one token shorter than an n-gram
-        move_to_end, count, tick = self._recency.move_to_end, self.count, self.tick
+        move_to_end, count, tick, children_of, new_child = (
+            self._recency.move_to_end, self.count, self.tick, self.children, self._child)
         for j in range(first_new, len(tokens)):
             token = tokens[j]
             self._clock += 1
             clock = self._clock
             extended: list[int] = []
             for node in (ROOT, *cursor.suffixes):
-                child = self._child(node, token)
+                kids = children_of[node]
+                child = kids.get(token) if kids else None
+                if child is None:
+                    child = new_child(node, token)
                 count[child] += 1
                 tick[child] = clock
                 move_to_end(child)
@@ -186,20 +195,25 @@ class NgramCache:
         """`node`'s child for `token`, created (and entered as the newest) if missing."""
         children = self.children[node]
         child = children.get(token) if children else None
-        if child is None:
-            self._created += 1
-            if self._free:
-                child = self._free.pop()
-            else:  # a new id: every column grows by one
-                child = len(self.token)
-                for column in (self.token, self.count, self.tick, self.parent, self.serial, self.children):
-                    column.append(None)
+        if child is not None:
+            return child
+        self._created += 1
+        if self._free:
+            child = self._free.pop()
             self.token[child], self.count[child], self.tick[child] = token, 0, 0
             self.parent[child], self.serial[child], self.children[child] = node, self._created, None
-            if children is None:
-                children = self.children[node] = {}
-            children[token] = child
-            self._recency[child] = None
+        else:  # a new id: every column grows by one (appends: the hot path of inserting new text)
+            child = len(self.token)
+            self.token.append(token)
+            self.count.append(0)
+            self.tick.append(0)
+            self.parent.append(node)
+            self.serial.append(self._created)
+            self.children.append(None)
+        if children is None:
+            children = self.children[node] = {}
+        children[token] = child
+        self._recency[child] = None
         return child
 
     def _evict(self) -> None:
