@@ -142,9 +142,9 @@ class NgramCache:
         length = len(tokens)
         depth_limit = self.config.branch_length
         suffixes: list[int] = []  # nodes of tokens[start:], start descending: shortest first
-        # local names: the hot loop (a node's existing child is looked up inline, `_child` makes new ones)
+        # local names: the hot loop (a node's existing child is looked up inline, `_new_child` makes new ones)
         move_to_end, count, tick, children_of, new_child = (
-            self._recency.move_to_end, self.count, self.tick, self.children, self._child)
+            self._recency.move_to_end, self.count, self.tick, self.children, self._new_child)
         for start in range(max(0, first_new - depth_limit + 1), length):
             self._clock += 1  # later occurrences are more recent, also within one call
             clock, node, path = self._clock, ROOT, []
@@ -171,7 +171,7 @@ class NgramCache:
         same n-grams `_insert_from_root` would count, touching only those nodes."""
         longest = self.config.branch_length - 1  # suffixes kept: one token shorter than an n-gram
         move_to_end, count, tick, children_of, new_child = (
-            self._recency.move_to_end, self.count, self.tick, self.children, self._child)
+            self._recency.move_to_end, self.count, self.tick, self.children, self._new_child)
         for j in range(first_new, len(tokens)):
             token = tokens[j]
             self._clock += 1
@@ -191,12 +191,8 @@ class NgramCache:
         cursor.length = len(tokens)
         cursor.serials = [self.serial[node] for node in cursor.suffixes]
 
-    def _child(self, node: int, token: int) -> int:
-        """`node`'s child for `token`, created (and entered as the newest) if missing."""
-        children = self.children[node]
-        child = children.get(token) if children else None
-        if child is not None:
-            return child
+    def _new_child(self, node: int, token: int) -> int:
+        """A new child of `node` for `token` (the caller found none), entered as the newest."""
         self._created += 1
         if self._free:
             child = self._free.pop()
@@ -210,6 +206,7 @@ class NgramCache:
             self.parent.append(node)
             self.serial.append(self._created)
             self.children.append(None)
+        children = self.children[node]
         if children is None:
             children = self.children[node] = {}
         children[token] = child
