@@ -224,3 +224,32 @@ def test_default_model_greedy_speculation_equals_plain_with_int8_activations(int
     stats = spec.get_stats()
     assert stats["spec_emitted_tokens"] > stats["spec_verify_ct"]  # some drafts accepted
     spec.shutdown()
+
+
+def test_q8_0_draft_head_takes_the_targets_int8_activations(tmp_path):
+    """A Q8_0 draft head over a target with int8 activations runs its matmuls on int8 rows too (cheap
+    catch-up extends); the draft only proposes, so greedy output still equals plain decoding's."""
+    import json
+
+    from treespec.engine import Engine
+    from treespec.models.config import ModelConfig
+    from treespec.models.draft_loader import create_draft_model, save_draft
+
+    target = write_block_quant_tiny_llama(tmp_path / "tiny")  # 3 layers: capture the inputs of 0, 1, 2
+    tcfg = ModelConfig.from_hf(json.loads((target / "config.json").read_text()))
+    head = tmp_path / "eagle3"
+    save_draft(create_draft_model("EAGLE3", tcfg, 512, init_std=0.2, seed=1, aux_layer_ids=[-1, 0, 1]), head)
+    prompts = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26]]
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    plain = Engine(model_path=str(target), speculative_algorithm="NONE", max_total_tokens=512)
+    want = [r["output_ids"] for r in plain.generate(input_ids=prompts, sampling_params=params)]
+    spec = Engine(model_path=str(target), speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head),
+                  speculative_num_steps=2, speculative_eagle_topk=2, speculative_num_draft_tokens=4,
+                  speculative_draft_model_quantization="q8_0", max_total_tokens=512)
+    assert spec.scheduler.runner.block_quant_activations == "int8"
+    draft = spec.scheduler.spec_worker.draft.model
+    packed = [m.packed for m in draft.modules() if isinstance(m, PackedLinear)] + [draft.packed_head]
+    assert {(p.layout, p.activations) for p in packed} == {("panel_quant", "int8")}
+    for batch in ([prompts[0]], prompts):
+        got = [r["output_ids"] for r in spec.generate(input_ids=batch, sampling_params=params)]
+        assert got == want[: len(batch)]
