@@ -82,15 +82,15 @@ def verify_tree_mixed(reqs: list[Req], logits: torch.Tensor, tree: DraftTree
     device = logits.device
     logits = tree_processed_logits(reqs, logits.float(), tree)
     args = (tree.candidates, tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling)
-    if all(r.sampling_params.greedy for r in reqs):
+    greedy_flags = [r.sampling_params.greedy for r in reqs]
+    if all(greedy_flags):
         return verify_tree_greedy(*args, greedy_tokens(logits).view(bs, n), tree.max_depth)
-    greedy = torch.tensor([r.sampling_params.greedy for r in reqs], device=device)
-    sampled = [r for r in reqs if not r.sampling_params.greedy]
-    rows = ~greedy.repeat_interleave(n)
+    sampled = [r for r, greedy in zip(reqs, greedy_flags, strict=True) if not greedy]
+    greedy_rows = torch.tensor(greedy_flags, device=device).repeat_interleave(n)
+    rows = ~greedy_rows
     probs = torch.zeros_like(logits)
     filters = [t.to(device).repeat_interleave(n) for t in sampling_tensors(sampled)]
     probs[rows] = apply_sampling_filters(logits[rows], *filters)
-    greedy_rows = greedy.repeat_interleave(n)
     if bool(greedy_rows.any()):
         probs[greedy_rows] = greedy_one_hot(logits[greedy_rows])
     coins = torch.zeros(bs, n)
