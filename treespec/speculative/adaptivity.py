@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Accepted head drafts per step (moving average) to keep drafting with the head. On two Zen 4 cores a
-# verify of 3 nodes costs ~1.7 plain steps and the two draft forwards ~0.2 more (bench_cpu_linear,
-# bench_step_cost), so below ~1 accepted draft per step the head's drafts lose time.
+# Accepted head drafts per step (moving average) to keep drafting with the head. On two Zen 4 cores
+# under the CPU default (int8 activations) a 3-row verify costs ~1.15 plain steps, and a head step's
+# catch-up extend, tree steps and host work ~0.55 more (bench_step_cost, 2026-11-27): ~1.7 plain steps
+# for 1 + accepted tokens, so below ~1 accepted draft per step the head's drafts lose time.
 HEAD_MIN_ACCEPT = 1.0
 HEAD_PROBE_EVERY = 8  # steps without head drafts before one probe
 HEAD_EMA_WEIGHT = 0.2  # weight of the newest step in the moving average
