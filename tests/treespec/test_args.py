@@ -160,6 +160,10 @@ def test_ngram_takes_the_tuned_schedule_on_the_default_model_unless_settings_are
     on_cuda = SpecSchedule.from_file(tuned, "cuda")
     assert on_cuda.shape_for(4).num_draft_tokens == 8 and on_cuda.shape_for(5).num_steps == 0
     assert on_cuda.shape_for(1).ngram_min_accept_prob == 0.0
+    # where the CPU kernels run their AVX2 code a verified row costs ~0.3 decode steps: 8 nodes >= 0.5
+    on_avx2 = SpecSchedule.from_file(tuned, "cpu_avx2")
+    assert on_avx2.shape_for(1).num_draft_tokens == 8 and on_avx2.shape_for(2).num_steps == 0
+    assert on_avx2.shape_for(1).ngram_min_accept_prob == 0.5
     # another model, or a tree size given: the same chain at every batch size
     assert ServerArgs(model_path="/some/model", speculative_algorithm="NGRAM").resolve().speculative_config is None
     resolved = ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=6).resolve()

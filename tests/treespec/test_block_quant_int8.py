@@ -145,6 +145,30 @@ def test_tiny_model_with_int8_activations(tmp_path, monkeypatch, isa):
         assert torch.equal(got, forward_logits(python))
 
 
+def test_schedule_kind_follows_the_block_quant_kernels_isa(tmp_path, monkeypatch):
+    """A runner whose block-quant matmuls run their AVX2 code asks for a config's "schedule_avx2" (its
+    verify rows cost more), and the NGRAM worker takes it; with AVX-512 VNNI, the "schedule"."""
+    from treespec.engine import Engine
+
+    path = write_block_quant_tiny_llama(tmp_path / "tiny")
+    monkeypatch.delenv(cpu_linear.QUANT_ISA_ENV, raising=False)
+    native = ModelRunner(path, torch.float32, CPU, kv_pool_size=64, block_quant_activations="int8")
+    assert native.schedule_kind() == ("cpu" if has_vnni() else "cpu_avx2")
+    config = tmp_path / "spec.json"
+    config.write_text('{"schedule": [{"max_batch_size": 1, "num_steps": 5, "num_draft_tokens": 6}, '
+                      '{"max_batch_size": null, "num_steps": 0}], '
+                      '"schedule_avx2": [{"max_batch_size": 1, "num_steps": 3, "num_draft_tokens": 4, '
+                      '"ngram_min_accept_prob": 0.5}, {"max_batch_size": null, "num_steps": 0}]}')
+    monkeypatch.setenv(cpu_linear.QUANT_ISA_ENV, "avx2")
+    assert ModelRunner(path, torch.float32, CPU, kv_pool_size=64,
+                       block_quant_activations="int8").schedule_kind() == "cpu_avx2"
+    engine = Engine(model_path=str(path), speculative_algorithm="NGRAM", speculative_config=str(config),
+                    block_quant_activations="int8", max_total_tokens=256)
+    shape = engine.scheduler.spec_worker.schedule.shape_for(1)
+    assert (shape.num_draft_tokens, shape.ngram_min_accept_prob) == (4, 0.5)
+    engine.shutdown()
+
+
 def test_int8_needs_block_quant_weights(tmp_path):
     from model_factory import make_tiny_model
 

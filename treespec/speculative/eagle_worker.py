@@ -87,7 +87,7 @@ class EagleWorker:
                              f"{args.speculative_algorithm}")
         self.schedule = SpecSchedule.from_flags(args.speculative_config, args.speculative_num_steps,
                                                 args.speculative_eagle_topk, args.speculative_num_draft_tokens,
-                                                target_runner.device.type)
+                                                target_runner.schedule_kind())
         self.target = target_runner
         self.draft = DraftRunner(args.speculative_draft_model_path, args.speculative_algorithm, target_runner,
                                  args.torch_draft_dtype(), args.speculative_token_map,

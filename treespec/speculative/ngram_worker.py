@@ -57,10 +57,11 @@ class NgramWorker:
         # Only the node budget matters for an n-gram tree. As a chain shape (num_draft_tokens - 1 steps,
         # topk 1) it needs num_draft_tokens slots per request, and the Scheduler's shrink rule (a shorter
         # chain when KV is short) hands this worker a smaller budget.
-        # --speculative-config gives chains by batch size (the default model's tuned one speculates at
-        # batch 1 only, with a longer chain on CUDA); without it, the same chain at every batch size
+        # --speculative-config gives chains by batch size (the default model's tuned one: batch 1 only on
+        # a CPU, with fewer, likelier nodes where its kernels run AVX2 code; up to batch 4 on CUDA);
+        # without it, the same chain at every batch size
         self.schedule = SpecSchedule.from_flags(args.speculative_config, ndraft - 1, 1, ndraft,
-                                                target_runner.device.type)
+                                                target_runner.schedule_kind())
         self.cache = NgramCache(ngram_config(args))
         self.min_accept_prob_flag = args.speculative_ngram_min_accept_prob  # None: each shape's own
         self.text: dict[str, TextCursor] = {}  # rid -> where its text stands in the cache (cheap inserts)

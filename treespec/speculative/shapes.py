@@ -19,7 +19,10 @@ to num_draft_tokens (--speculative-ngram-min-accept-prob overrides it for every 
 
 A file may add "schedule_cuda", a list in the same format that replaces "schedule" when the target runs
 on a CUDA device: there a verified node costs almost nothing (the step is bound by kernel launches), on
-two CPU cores ~0.2 of a decode step, so the two tune to different trees.
+two CPU cores ~0.1-0.2 of a decode step, so the two tune to different trees. Likewise "schedule_avx2"
+replaces it on a CPU whose block-quant matmuls run their AVX2 code (no AVX-512 VNNI there, or
+TREESPEC_CPU_QUANT_ISA=avx2): a verified row costs ~0.3 of a decode step there, so fewer, likelier nodes
+pay. Which one a worker takes is its target runner's `schedule_kind()`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FLAG = "--speculative-config"
+# the file's lists that replace its "schedule" for a runner kind (ModelRunner.schedule_kind)
+SCHEDULE_KEYS = {"schedule_cuda": "cuda", "schedule_avx2": "cpu_avx2"}
 
 
 class ScheduleError(ValueError):
@@ -76,21 +81,22 @@ class SpecSchedule:
         return cls([(None, SpecShape(steps, topk, ndraft))])
 
     @classmethod
-    def from_flags(cls, path: str | None, steps: int, topk: int, ndraft: int,
-                   device_type: str = "cpu") -> SpecSchedule:
-        """A worker's schedule: the --speculative-config file when one is given (its entries for
-        `device_type`), else this one shape."""
-        return cls.from_file(path, device_type) if path else cls.constant(steps, topk, ndraft)
+    def from_flags(cls, path: str | None, steps: int, topk: int, ndraft: int, kind: str = "cpu") -> SpecSchedule:
+        """A worker's schedule: the --speculative-config file when one is given (its entries for `kind`,
+        the target runner's `schedule_kind()`), else this one shape."""
+        return cls.from_file(path, kind) if path else cls.constant(steps, topk, ndraft)
 
     @classmethod
-    def from_file(cls, path: str | Path, device_type: str = "cpu") -> SpecSchedule:
-        """The file's "schedule", or its "schedule_cuda" when `device_type` is "cuda" and it has one."""
+    def from_file(cls, path: str | Path, kind: str = "cpu") -> SpecSchedule:
+        """The file's schedule for `kind` ("cpu", "cpu_avx2" or "cuda"): its "schedule_cuda" or
+        "schedule_avx2" where it has one, else its "schedule"."""
         schedules = cls.all_from_file(path)
-        return schedules.get(device_type, schedules["cpu"])
+        return schedules.get(kind, schedules["cpu"])
 
     @classmethod
     def all_from_file(cls, path: str | Path) -> dict[str, SpecSchedule]:
-        """Every schedule in the file, checked: {"cpu": "schedule"} and, if present, {"cuda": ...}."""
+        """Every schedule in the file, checked: {"cpu": "schedule"} and, where present, {"cuda": ...}
+        and {"cpu_avx2": ...}."""
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:
@@ -99,11 +105,12 @@ class SpecSchedule:
         if not isinstance(raw, list) or not raw:
             raise ScheduleError(f'{FLAG}: {path} needs a non-empty "schedule" list')
         schedules = {"cpu": cls._parse(raw, "")}
-        if "schedule_cuda" in data:
-            raw_cuda = data["schedule_cuda"]
-            if not isinstance(raw_cuda, list) or not raw_cuda:
-                raise ScheduleError(f'{FLAG}: {path}: "schedule_cuda" must be a non-empty list')
-            schedules["cuda"] = cls._parse(raw_cuda, "schedule_cuda ")
+        for key, kind in SCHEDULE_KEYS.items():
+            if key in data:
+                raw_kind = data[key]
+                if not isinstance(raw_kind, list) or not raw_kind:
+                    raise ScheduleError(f'{FLAG}: {path}: "{key}" must be a non-empty list')
+                schedules[kind] = cls._parse(raw_kind, f"{key} ")
         return schedules
 
     @classmethod

@@ -251,9 +251,10 @@ def test_schedule_speculates_only_where_it_says(model_dirs, references, tmp_path
     assert engine.get_stats()["spec_verify_ct"] > 0
 
 
-def default_model_worker(device: str):
+def default_model_worker(kind: str):
     """The default model's NGRAM worker (auto -> NGRAM with the shipped schedule), built without a model:
-    a runner with only a device, no pools (enough for its schedule and n-gram cache)."""
+    a runner with only a device and its schedule kind ("cpu", "cpu_avx2", "cuda"), no pools (enough for
+    its schedule and n-gram cache)."""
     from types import SimpleNamespace
 
     import torch
@@ -261,15 +262,16 @@ def default_model_worker(device: str):
     from treespec.args import ServerArgs
     from treespec.speculative.ngram_worker import NgramWorker
 
-    return NgramWorker(ServerArgs().resolve(), SimpleNamespace(device=torch.device(device)), None, None)
+    runner = SimpleNamespace(device=torch.device("cuda" if kind == "cuda" else "cpu"), schedule_kind=lambda: kind)
+    return NgramWorker(ServerArgs().resolve(), runner, None, None)
 
 
-@pytest.mark.parametrize(("device", "nodes", "min_accept", "max_speculating_batch"),
-                         [("cpu", 12, 0.3, 1), ("cuda", 8, 0.0, 4)])
-def test_worker_takes_the_shipped_schedule_for_its_device(device, nodes, min_accept, max_speculating_batch) -> None:
-    """The default model's tuned file holds a CPU and a CUDA schedule; the worker picks by its runner's
-    device (no CUDA needed: the worker only reads the device's type when it is built)."""
-    worker = default_model_worker(device)
+@pytest.mark.parametrize(("kind", "nodes", "min_accept", "max_speculating_batch"),
+                         [("cpu", 12, 0.3, 1), ("cpu_avx2", 8, 0.5, 1), ("cuda", 8, 0.0, 4)])
+def test_worker_takes_the_shipped_schedule_for_its_device(kind, nodes, min_accept, max_speculating_batch) -> None:
+    """The default model's tuned file holds a CPU, a CPU-with-AVX2-kernels and a CUDA schedule; the worker
+    picks by its runner's schedule kind (no CUDA needed: the worker only asks it when it is built)."""
+    worker = default_model_worker(kind)
     assert worker.schedule.shape_for(max_speculating_batch).num_draft_tokens == nodes
     assert worker.min_accept_prob(worker.schedule.shape_for(1)) == min_accept
     assert worker.schedule.shape_for(max_speculating_batch + 1).num_steps == 0

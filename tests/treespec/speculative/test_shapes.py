@@ -58,10 +58,23 @@ def test_cuda_entries_replace_the_schedule_on_cuda_only(tmp_path):
     assert SpecSchedule.from_file(write(tmp_path, SCHEDULE), "cuda").shape_for(1) == SpecShape(3, 2, 5)
 
 
+def test_avx2_entries_replace_the_schedule_where_the_cpu_kernels_run_avx2(tmp_path):
+    avx2 = [{"max_batch_size": 1, "num_steps": 3, "num_draft_tokens": 4, "ngram_min_accept_prob": 0.5},
+            {"max_batch_size": None, "num_steps": 0}]
+    path = write(tmp_path, {**SCHEDULE, "schedule_avx2": avx2})
+    assert SpecSchedule.from_file(path, "cpu_avx2").shape_for(1) == SpecShape(3, 1, 4, 0.5)
+    assert SpecSchedule.from_flags(path, 1, 1, 2, "cpu_avx2").shape_for(2) == SpecShape(0, 1, 1)
+    assert SpecSchedule.from_file(path, "cpu").shape_for(1) == SpecShape(3, 2, 5)
+    assert SpecSchedule.from_file(path, "cuda").shape_for(1) == SpecShape(3, 2, 5)  # no CUDA entries: "schedule"
+    assert SpecSchedule.from_file(write(tmp_path, SCHEDULE), "cpu_avx2").shape_for(1) == SpecShape(3, 2, 5)
+
+
 @pytest.mark.parametrize("bad", [
     {"schedule": []},
     {"schedule": [{"num_steps": 1}], "schedule_cuda": []},
     {"schedule": [{"num_steps": 1}], "schedule_cuda": [{"max_batch_size": 1}]},
+    {"schedule": [{"num_steps": 1}], "schedule_avx2": {"num_steps": 1}},
+    {"schedule": [{"num_steps": 1}], "schedule_avx2": [{"num_steps": 1, "ngram_min_accept_prob": 1.5}]},
     {"schedule": [{"max_batch_size": 2, "num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 5}]},
     {"schedule": [{"max_batch_size": 4, "num_steps": 1}, {"max_batch_size": 2, "num_steps": 1}]},
     {"schedule": [{"max_batch_size": 1}]},
