@@ -11,7 +11,6 @@ import torch
 
 from treespec.attention.select import create_attn_backend
 from treespec.forward_batch import ForwardBatch, ForwardContext, ModelOutput
-from treespec.kernels import cpu_linear
 from treespec.mem.kv_pool import KVPool
 from treespec.model_loader import load_config, load_hf_weights
 from treespec.models.block_quant import load_block_quant
@@ -99,15 +98,11 @@ class ModelRunner:
     def schedule_kind(self) -> str:
         """Which of a --speculative-config file's schedules fits this runner's costs (SpecSchedule.from_file):
         "cuda" on a GPU; "cpu_avx2" where the CPU block-quant matmuls run their AVX2 code (no AVX-512 VNNI,
-        or TREESPEC_CPU_QUANT_ISA=avx2), whose verify rows cost ~3x what they cost under AVX-512 VNNI;
-        else "cpu"."""
+        or TREESPEC_CPU_QUANT_ISA=avx2: the code each weight was packed for), whose verify rows cost ~3x
+        what they cost under AVX-512 VNNI; else "cpu"."""
         if self.device.type != "cpu":
             return self.device.type
-        if cpu_linear.load() is None:
-            return "cpu"
-        int8 = self.block_quant_activations == "int8"
-        avx512 = cpu_linear.quant_int8_avx512() if int8 else cpu_linear.quant_avx512()
-        return "cpu" if avx512 else "cpu_avx2"
+        return "cpu_avx2" if any(not p.avx512 for p in self.model.block_quant_weights()) else "cpu"
 
     def vocab_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(embedding, lm_head) over the whole vocabulary, on this runner's device and dtype."""

@@ -139,10 +139,13 @@ class LlamaForCausalLM(nn.Module):
         """The layers' packed matmuls in the order a step runs them."""
         return [m for m in self.layers.modules() if isinstance(m, PackedLinear)]
 
-    def has_block_quant_weights(self) -> bool:
-        """Whether any matmul streams block-quant codes (the "panel_quant" layout)."""
+    def block_quant_weights(self) -> list[PackedWeight]:
+        """The packed weights whose matmuls stream block-quant codes (the "panel_quant" layout)."""
         packed = [m.packed for m in self._packed_linears()] + [self.packed_lm_head]
-        return any(p is not None and p.layout == "panel_quant" for p in packed)
+        return [p for p in packed if p is not None and p.layout == "panel_quant"]
+
+    def has_block_quant_weights(self) -> bool:
+        return bool(self.block_quant_weights())
 
     def _gather_packed_weights(self) -> None:
         """Every packed weight into one buffer in the order a step reads them (layer by layer, then
