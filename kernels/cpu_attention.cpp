@@ -239,17 +239,12 @@ static void attention_units(const std::vector<Request>& reqs, int64_t num_rows, 
                             const float* qp, int64_t q_row_stride, const Pool& pool, const int64_t* slots,
                             const uint8_t* mask, float scale, float* op, bool avx512) {
   const int64_t bs = static_cast<int64_t>(reqs.size()), num_kv_heads = num_heads / group;
-  std::vector<int64_t> shared(bs);
+  std::vector<int64_t> shared(bs);  // masked requests: the leading columns all their rows see
   std::vector<std::vector<int64_t>> tails(num_rows);
   for (int64_t b = 0; b < bs; ++b) {
     const Request& req = reqs[b];
     const int64_t* req_slots = slots + req.kv_start;
-    if (req.mask_bit < 0) {  // bottom-right causal: row i sees kv_len - q_len + i + 1 columns
-      auto seen = [&](int64_t i) { return std::clamp<int64_t>(req.kv_len - req.q_len + i + 1, 0, req.kv_len); };
-      shared[b] = seen(0);
-      for (int64_t i = 0; i < req.q_len; ++i) tails[req.q_start + i].assign(req_slots + shared[b], req_slots + seen(i));
-      continue;
-    }
+    if (req.mask_bit < 0) continue;  // causal: per unit below
     auto visible = [&](int64_t i, int64_t j) {
       const int64_t bit = req.mask_bit + i * req.kv_len + j;
       return (mask[bit >> 3] >> (bit & 7)) & 1;
@@ -277,12 +272,31 @@ static void attention_units(const std::vector<Request>& reqs, int64_t num_rows, 
     return total;
   };
   while (unit_count() < want && max_rows > 1) max_rows /= 2;
+  // A causal request's unit shares the columns its first row sees (row i sees kv_len - q_len + i + 1):
+  // in a prefill every K and V row is then read once per unit rather than once per query. Where the
+  // shared columns end does not change a query's dense list, so not its bits either. Row chunks are
+  // listed first, last, second, second to last, ...: the threads take contiguous ranges of units, and a
+  // prefill's later rows see more columns.
   std::vector<Unit> units;
+  std::vector<int64_t> unit_shared;
   for (int64_t b = 0; b < bs; ++b) {
-    const int64_t q_len = reqs[b].q_len, row_chunks = chunks(q_len, max_rows);
-    for (int64_t g = 0; g < num_kv_heads; ++g)
-      for (int64_t c = 0; c < row_chunks; ++c)
-        units.push_back({b, g, q_len * c / row_chunks, q_len * (c + 1) / row_chunks, g * group, (g + 1) * group});
+    const Request& req = reqs[b];
+    const int64_t q_len = req.q_len, row_chunks = chunks(q_len, max_rows);
+    auto seen = [&](int64_t i) { return std::clamp<int64_t>(req.kv_len - q_len + i + 1, 0, req.kv_len); };
+    for (int64_t k = 0; k < row_chunks; ++k) {
+      const int64_t c = k % 2 == 0 ? k / 2 : row_chunks - 1 - k / 2;
+      const int64_t row0 = q_len * c / row_chunks, row1 = q_len * (c + 1) / row_chunks;
+      int64_t chunk_shared = shared[b];
+      if (req.mask_bit < 0) {
+        chunk_shared = seen(row0);
+        const int64_t* req_slots = slots + req.kv_start;
+        for (int64_t i = row0; i < row1; ++i) tails[req.q_start + i].assign(req_slots + chunk_shared, req_slots + seen(i));
+      }
+      for (int64_t g = 0; g < num_kv_heads; ++g) {
+        units.push_back({b, g, row0, row1, g * group, (g + 1) * group});
+        unit_shared.push_back(chunk_shared);
+      }
+    }
   }
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -290,7 +304,7 @@ static void attention_units(const std::vector<Request>& reqs, int64_t num_rows, 
       with_chunks(pool.head_dim / 16, [&](auto chunks) {
         constexpr int NC = decltype(chunks)::value;
         const auto run = avx512 ? attention_avx512::run_unit<NC> : attention_avx2::run_unit<NC>;
-        run(u, reqs[u.req], qp, q_row_stride, num_heads, pool, slots, shared[u.req], tails, scale, op);
+        run(u, reqs[u.req], qp, q_row_stride, num_heads, pool, slots, unit_shared[i], tails, scale, op);
       });
     }
   });

@@ -179,6 +179,13 @@ static inline void write_tile(const float (*out)[kPanel], float* y, int64_t ldy,
       const float* bj = bias ? bias + j * kPanel : nullptr;
       const float* o = out[m * PANELS + j];
       float* yr = y + m * ldy + j * kPanel;
+      if (cols == kPanel) {  // a whole panel as vectors (the same adds); the loop below became memmove calls
+        for (int64_t c = 0; c < kPanel; c += 8) {
+          const __m256 v = _mm256_loadu_ps(o + c);
+          _mm256_storeu_ps(yr + c, bj ? _mm256_add_ps(v, _mm256_loadu_ps(bj + c)) : v);
+        }
+        continue;
+      }
       for (int64_t c = 0; c < cols; ++c) yr[c] = bj ? o[c] + bj[c] : o[c];
     }
   }

@@ -271,3 +271,20 @@ def test_prefill_rows_do_not_depend_on_the_batch_or_the_cache(tmp_path, avx512: 
     assert torch.equal(prefill([(prompt_b, 0, 200), (prompt_a, 0, 1)])[1], alone)
     prefill([(prompt_a[:30], 0, 1)])
     assert torch.equal(prefill([(prompt_a[30:], 30, 31)])[0], alone)
+
+
+@pytest.mark.parametrize("avx512", ISAS)
+def test_prefill_rows_equal_their_decodes(avx512: bool):
+    """Every row of a causal prefill (with and without cached columns before it) is the same bits as
+    decoding that row alone over the columns it sees: the prefill's units share the columns their first
+    row sees and add each row's rest, a decode shares them all."""
+    heads, kv_heads, head_dim = 9, 3, 64
+    k_buf, v_buf, g = random_pool(200, kv_heads, head_dim, 11)
+    slots = torch.randperm(199, generator=g)[:75] + 1
+    for cached in (0, 20):
+        rows = slots.numel() - cached
+        q = torch.randn(rows, heads, head_dim, generator=g)
+        prefill = kernel_attention(q, k_buf, v_buf, [rows], [slots], None, head_dim**-0.5, avx512)
+        for i in range(rows):
+            decode = kernel_attention(q[i:i + 1], k_buf, v_buf, [1], [slots[:cached + i + 1]], None, head_dim**-0.5, avx512)
+            assert torch.equal(prefill[i], decode[0]), (cached, i)
