@@ -117,6 +117,39 @@ static inline void score_block(const float* query, const float* const* rows, int
   _mm512_mask_storeu_ps(s, kFull ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1), scores);
 }
 
+// Two queries against the same up-to-8 K rows rows[c], c < count: s0[c] and s1[c] as score_block
+// computes them (each (query, column) one fma chain over the chunks, then the same per-column lane
+// tree: reduce16 sums each input alone, so which 16 (query, column) pairs share a call does not
+// matter). A K row loaded once serves both queries: half score_block's loads per score.
+template <int NC>
+static inline void score_pair(const float* query0, const float* query1, const float* const* rows, int64_t count,
+                              float scale, float* s0, float* s1) {
+  __m512 q0[NC], q1[NC], acc[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < NC; ++i) {
+    q0[i] = _mm512_loadu_ps(query0 + 16 * i);
+    q1[i] = _mm512_loadu_ps(query1 + 16 * i);
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < 8; ++c) {
+    acc[c] = _mm512_setzero_ps();
+    acc[8 + c] = _mm512_setzero_ps();
+    if (c < count) {
+      const float* k = rows[c];
+#pragma GCC unroll 8
+      for (int i = 0; i < NC; ++i) {
+        const __m512 kc = _mm512_loadu_ps(k + 16 * i);
+        acc[c] = _mm512_fmadd_ps(q0[i], kc, acc[c]);
+        acc[8 + c] = _mm512_fmadd_ps(q1[i], kc, acc[8 + c]);
+      }
+    }
+  }
+  const __m512 scores = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale));
+  const __mmask16 keep = count >= 8 ? __mmask16(0xFF) : __mmask16((1u << count) - 1);
+  _mm512_mask_storeu_ps(s0, keep, scores);
+  _mm512_mask_storeu_ps(s1 - 8, __mmask16(keep << 8), scores);
+}
+
 template <int NC>
 static inline void score_columns(const float* q, const float* const* rows, int64_t n, float scale, float* s) {
   int64_t j = 0;
@@ -183,7 +216,15 @@ static void run_unit(const Unit& u, const Request& req, const float* qp, int64_t
   for (int64_t j = 0; j < shared; j += 16) {
     const int64_t count = std::min<int64_t>(16, shared - j);
     for (int64_t c = j + 16; c < std::min<int64_t>(j + 32, shared); ++c) prefetch_row(shared_k[c], 16 * NC);
-    for (int64_t t = 0; t < queries; ++t) {
+    int64_t t = 0;
+    if constexpr (NC <= 4) {  // pairs of queries while their q and 16 sums fit the registers
+      for (; t + 2 <= queries; t += 2) {
+        float *s0 = s.data() + t * stride + j, *s1 = s0 + stride;
+        score_pair<NC>(qs[t].q, qs[t + 1].q, shared_k.data() + j, count, scale, s0, s1);
+        if (count > 8) score_pair<NC>(qs[t].q, qs[t + 1].q, shared_k.data() + j + 8, count - 8, scale, s0 + 8, s1 + 8);
+      }
+    }
+    for (; t < queries; ++t) {
       float* st = s.data() + t * stride + j;
       if (count == 16) score_block<NC, true>(qs[t].q, shared_k.data() + j, 16, scale, st);
       else score_block<NC, false>(qs[t].q, shared_k.data() + j, count, scale, st);

@@ -40,10 +40,11 @@ static void quantize_rows(const float* x, int64_t rows, int64_t k_dim, int64_t b
         v[i] = _mm256_loadu_ps(xb + 8 * i);
         amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
       }
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, amax);
-      float top = 0.0f;
-      for (float l : lanes) top = std::max(top, l);
+      // the largest lane by shuffles (a max is exact in any order); |x| >= 0, so max(0, .) is a no-op
+      __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+      top4 = _mm_max_ss(top4, _mm_movehdup_ps(top4));
+      const float top = _mm_cvtss_f32(top4);
       const float scale = top / kInt8Max;
       const __m256 inv = _mm256_set1_ps(scale != 0.0f ? 1.0f / scale : 0.0f);
       __m256i qi[4];
@@ -57,10 +58,10 @@ static void quantize_rows(const float* x, int64_t rows, int64_t k_dim, int64_t b
       const __m256i bytes = _mm256_permutevar8x32_epi32(
           _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3])), lane_order);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + m * k_dim + b * kQuantBlock), bytes);
-      alignas(32) int32_t parts[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(parts), sum);
-      int32_t total = 0;
-      for (int32_t part : parts) total += part;
+      __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));  // exact
+      sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, _MM_SHUFFLE(1, 0, 3, 2)));
+      sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, _MM_SHUFFLE(2, 3, 0, 1)));
+      const int32_t total = _mm_cvtsi128_si32(sum4);
       d[m * blocks + b] = scale;
       s[m * blocks + b] = scale * static_cast<float>(total);
     }
