@@ -82,7 +82,8 @@ class SchedulerLoop:
     # ------------------------------------------------------------------ main loop
     def run_forever(self) -> None:
         while self.watch.parent_alive():
-            self.recv_requests(block=not self.scheduler.has_work())
+            idle_work = self.scheduler.has_idle_work()
+            self.recv_requests(block=not self.scheduler.has_work() and not idle_work)
             if self.scheduler.has_work():
                 outputs = self.scheduler.step()
                 self.record_throughput()
@@ -90,6 +91,8 @@ class SchedulerLoop:
                     self.send_outputs(outputs)
                 self.send_refusals()
                 self.maybe_log()
+            elif idle_work:  # no request in flight: one piece, then look for requests again
+                self.scheduler.idle_work()
         logger.info("launcher is gone; scheduler exits")
 
     def recv_requests(self, block: bool) -> None:

@@ -221,10 +221,17 @@ class Engine:
             while True:
                 yield from self._take(subs, pending)
                 if not pending:
+                    self._idle_work()
                     return
                 self._step()
         finally:
             self._close(subs, pending)
+
+    def _idle_work(self) -> None:
+        """With no request left in flight, the scheduler's idle work (the n-gram cache's inserts of
+        released text) runs before the caller's next request, as the server runs it between requests."""
+        while not self.scheduler.has_work() and self.scheduler.has_idle_work():
+            self.scheduler.idle_work()
 
     async def _async_outputs(self, subs: list[_Submitted]) -> AsyncIterator[tuple[str, RequestOutput]]:
         pending = {s.rid for s in subs}
@@ -233,6 +240,7 @@ class Engine:
                 for item in self._take(subs, pending):
                     yield item
                 if not pending:
+                    self._idle_work()
                     return
                 self._step()
                 await asyncio.sleep(0)  # let other calls queue requests and take their outputs

@@ -165,6 +165,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked_req)
 
+    def has_idle_work(self) -> bool:
+        """Whether the speculative worker keeps work for a moment without requests (`idle_work`)."""
+        return self.spec_worker is not None and self.spec_worker.has_idle_work()
+
+    def idle_work(self) -> None:
+        """One piece of the speculative worker's idle work (the n-gram cache's insert of one released
+        request's text); its owner calls this only while `has_work()` is false."""
+        if self.spec_worker is not None and not self.has_work():
+            self.spec_worker.idle_work()
+
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
         batch = self._pick_prefill()

@@ -325,6 +325,12 @@ class EagleWorker:
         if cursor is not None:  # a request that speculated leaves the rest of its text too
             self.ngram.insert_rest(req.all_ids, cursor)
 
+    def has_idle_work(self) -> bool:
+        return False  # a leaving request's hybrid n-gram text goes in at `release`
+
+    def idle_work(self) -> None:
+        pass
+
     def flush(self) -> None:
         """`/flush_cache` with no request in flight: forget past requests' text (the n-gram corpus) and
         the parked draft rows, whose KV slots the radix cache reset just freed."""

@@ -10,15 +10,19 @@ One step, with the same division of work as EagleWorker:
      Nothing else changes.
   2. The Scheduler commits the result.
   3. `draft_extend(reqs, result, committed)`: the committed tokens go into the cache.
-The prompt goes in at the end of its prefill (`after_prefill`). A plain step's tokens go in later, all
-at once: when the request next asks for drafts, or when it leaves (`release`). Under load, where the
-schedule decodes plain, that is one insert per request instead of one per token, each run right after
-a forward has flushed the CPU caches (~3x the cost of a token inserted in a run of tokens); another
-request drafts from a plain-decoding request's text once it left. A retracted request is prefilled
-again and its text counted again: counts only order drafts, the target decides every token.
+A request's text goes in when it asks for drafts (`wants_drafts`: the prompt at its first decode step,
+then each plain step's token at the next), all that is new at once. Under load, where the schedule
+decodes plain, a request never asks: when it leaves (`release`) its text waits in `pending`, and the
+Scheduler inserts it while it has no requests (`idle_work`, one text at a time), so a loaded server
+spends no step on inserts (~15 us a token in Python, ~3x that right after a forward has flushed the
+CPU caches; 5-15 ms a code-editing request). Another request drafts from a text once it went in. A
+retracted request is prefilled again and its text counted again: counts only order drafts, the target
+decides every token.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 
@@ -33,6 +37,8 @@ from treespec.speculative.shapes import SpecSchedule, SpecShape
 from treespec.speculative.step_result import SpecStepResult, verify_tree_step
 from treespec.speculative.tree import tree_from_parents
 
+# released requests' text waiting for an idle scheduler; past this many, the oldest goes in at once
+MAX_PENDING_TEXTS = 256
 GRAMMAR_DRAFT_OVERSAMPLE = 2  # a constrained request draws this many times its budget, then keeps the allowed
 
 
@@ -65,15 +71,17 @@ class NgramWorker:
         self.cache = NgramCache(ngram_config(args))
         self.min_accept_prob_flag = args.speculative_ngram_min_accept_prob  # None: each shape's own
         self.text: dict[str, TextCursor] = {}  # rid -> where its text stands in the cache (cheap inserts)
+        self.pending: deque[tuple[list[int], TextCursor]] = deque()  # released text for `idle_work`
         self.target = target_runner
         self.req_to_token_pool, self.allocator = req_to_token_pool, allocator
         self.device = target_runner.device
 
     def after_prefill(self, reqs: list[Req], lens: list[int], batch: ForwardBatch, output: ModelOutput) -> None:
-        """Insert the text of every request whose prefill completed (prompt + the first sampled token)."""
+        """A cursor for every request whose prefill completed: its text goes in when it first asks for
+        drafts, or after it leaves."""
         for req in reqs:
             if req.kv_len == req.seq_len - 1:
-                self.cache.insert(req.all_ids, None, self.text.setdefault(req.rid, TextCursor()))
+                self.text.setdefault(req.rid, TextCursor())
 
     def draft_extend(self, reqs: list[Req], result: SpecStepResult, committed: list[int]) -> None:
         """Insert each request's committed tokens (finished requests too: their text helps others)."""
@@ -103,14 +111,27 @@ class NgramWorker:
         return any(self.cache.has_match(r.all_ids, 0, min_accept) for r in reqs)
 
     def release(self, req: Req, keep_draft_kv: bool) -> None:
-        """Insert what is left of the request's text, then forget its cursor; the cache keeps the text."""
-        self._catch_up(req)
-        self.text.pop(req.rid, None)
+        """Forget the request's cursor; what the cache has not seen of its text waits for `idle_work`."""
+        cursor = self.text.pop(req.rid, None)
+        if cursor is not None and cursor.length < len(req.all_ids):
+            self.pending.append((list(req.all_ids), cursor))
+            if len(self.pending) > MAX_PENDING_TEXTS:
+                self.cache.insert_rest(*self.pending.popleft())
+
+    def has_idle_work(self) -> bool:
+        return bool(self.pending)
+
+    def idle_work(self) -> None:
+        """Insert the oldest released text still waiting (the Scheduler calls this with no request in
+        flight, one text per call, so a request arriving meanwhile waits for one insert at most)."""
+        if self.pending:
+            self.cache.insert_rest(*self.pending.popleft())
 
     def flush(self) -> None:
         """Forget every request's text (`/flush_cache`, with no request in flight)."""
         self.cache = NgramCache(self.cache.config)
         self.text.clear()
+        self.pending.clear()
 
     def _draft(self, req: Req, max_drafts: int, min_accept: float) -> tuple[list[int], list[int]]:
         """(tokens, parents) of one request's drafts. A constrained request asks the cache for twice its

@@ -60,6 +60,11 @@ class SpecWorker(Protocol):
 
     def flush(self) -> None: ...  # `/flush_cache`, no request in flight: forget past requests' text
 
+    # Work kept off the steps (released text for the n-gram cache), done while no request is in flight.
+    def has_idle_work(self) -> bool: ...
+
+    def idle_work(self) -> None: ...
+
 
 def verify_tree_step(
     reqs: list[Req], tree: DraftTree, kv_lens: list[int], prefix_slots: list[torch.Tensor],

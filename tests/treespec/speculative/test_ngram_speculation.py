@@ -307,18 +307,50 @@ def test_plain_step_tokens_wait_for_the_next_draft_or_the_release() -> None:
     req = SimpleNamespace(rid="a", all_ids=[11, 12, 13, 14, 15, 16], kv_len=5, seq_len=6)
     worker.after_prefill([req], [5], None, None)  # the prompt and the first sampled token
     cursor = worker.text["a"]
-    inserted = len(worker.cache)
-    assert inserted > 0 and cursor.length == 6
+    assert len(worker.cache) == 0 and cursor.length == 0  # nothing until it asks for drafts
     for token in (17, 18):  # two plain steps
         req.all_ids.append(token)
         worker.defer_extend([req], [token], None, None)
-    assert len(worker.cache) == inserted and cursor.length == 6  # nothing yet
+    assert len(worker.cache) == 0 and cursor.length == 0  # nothing yet
     assert not worker.wants_drafts([req], worker.schedule.shape_for(1))  # no 2-token match for (17, 18) before it catches up: none after
-    assert cursor.length == 8 and len(worker.cache) > inserted
+    assert cursor.length == 8 and len(worker.cache) > 0
     req.all_ids += [11, 12]
     assert worker.wants_drafts([req], worker.schedule.shape_for(1))  # (11, 12) was seen: 13 follows
     worker.defer_extend([req], [12], None, None)
     req.all_ids.append(13)
     before_release = len(worker.cache)
     worker.release(req, keep_draft_kv=False)
-    assert "a" not in worker.text and len(worker.cache) > before_release  # the rest went in as it left
+    # the rest waits for an idle moment, then goes in
+    assert "a" not in worker.text and len(worker.cache) == before_release and worker.has_idle_work()
+    worker.idle_work()
+    assert len(worker.cache) > before_release and not worker.has_idle_work()
+
+
+def test_a_loaded_server_inserts_no_text_until_idle() -> None:
+    """Requests that never ask for drafts (the schedule decodes plain under load) cost the n-gram cache
+    no insert while they run or leave: their text waits for `idle_work`, oldest first, and past
+    MAX_PENDING_TEXTS the oldest goes in at once. `flush` drops what waits."""
+    from types import SimpleNamespace
+
+    from treespec.speculative.ngram_worker import MAX_PENDING_TEXTS
+
+    worker = default_model_worker("cpu")
+    reqs = [SimpleNamespace(rid=f"r{i}", all_ids=[100 + i, 7, 8, 9], kv_len=3, seq_len=4) for i in range(3)]
+    worker.after_prefill(reqs, [3] * 3, None, None)
+    for req in reqs:
+        req.all_ids.append(10)
+        worker.defer_extend([req], [10], None, None)
+        worker.release(req, keep_draft_kv=False)
+    assert len(worker.cache) == 0 and len(worker.pending) == 3 and not worker.text
+    worker.idle_work()
+    assert worker.cache.has_match([100, 7], 2) and not worker.cache.has_match([101, 7], 2)  # the oldest first
+    worker.idle_work()
+    worker.idle_work()
+    assert worker.cache.has_match([102, 7], 2) and not worker.has_idle_work()
+    for i in range(MAX_PENDING_TEXTS + 1):
+        req = SimpleNamespace(rid=f"s{i}", all_ids=[500 + i, 7, 8], kv_len=2, seq_len=3)
+        worker.after_prefill([req], [2], None, None)
+        worker.release(req, keep_draft_kv=False)
+    assert len(worker.pending) == MAX_PENDING_TEXTS and worker.cache.has_match([500, 7], 2)
+    worker.flush()
+    assert not worker.has_idle_work() and len(worker.cache) == 0
