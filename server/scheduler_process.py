@@ -82,18 +82,23 @@ class SchedulerLoop:
     # ------------------------------------------------------------------ main loop
     def run_forever(self) -> None:
         while self.watch.parent_alive():
-            idle_work = self.scheduler.has_idle_work()
-            self.recv_requests(block=not self.scheduler.has_work() and not idle_work)
-            if self.scheduler.has_work():
-                outputs = self.scheduler.step()
-                self.record_throughput()
-                if outputs:
-                    self.send_outputs(outputs)
-                self.send_refusals()
-                self.maybe_log()
-            elif idle_work:  # no request in flight: one piece, then look for requests again
-                self.scheduler.idle_work()
+            self.run_once()
         logger.info("launcher is gone; scheduler exits")
+
+    def run_once(self) -> None:
+        """One turn: read requests (waiting for them only with nothing else to do), then one step, or
+        with no request in flight one piece of the scheduler's idle work."""
+        idle_work = self.scheduler.has_idle_work()
+        self.recv_requests(block=not self.scheduler.has_work() and not idle_work)
+        if self.scheduler.has_work():
+            outputs = self.scheduler.step()
+            self.record_throughput()
+            if outputs:
+                self.send_outputs(outputs)
+            self.send_refusals()
+            self.maybe_log()
+        elif idle_work:
+            self.scheduler.idle_work()
 
     def recv_requests(self, block: bool) -> None:
         frames = self.recv_frames(block) if self.is_first_rank else None

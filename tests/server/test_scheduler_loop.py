@@ -136,3 +136,55 @@ def test_generate_abort_reject_and_control(rig):
     assert stats.data["kv_pool_balanced"] is True and stats.data["num_aborted_reqs"] == 1
     assert stats.data["generated_tokens"] == 4 and "gen_throughput" in stats.data
     assert flushed.req_id == "c2" and flushed.ok
+
+
+class IdleWorkScheduler(FakeScheduler):
+    """FakeScheduler with idle work left over (as NGRAM's released text) and no grammar refusals."""
+
+    def __init__(self, idle_pieces: int) -> None:
+        super().__init__()
+        self.idle_pieces = idle_pieces
+
+    def has_idle_work(self) -> bool:
+        return self.idle_pieces > 0
+
+    def idle_work(self) -> None:
+        assert not self.has_work(), "idle work ran with a request in flight"
+        self.idle_pieces -= 1
+
+    def take_refused(self) -> list:
+        return []
+
+
+def test_idle_work_runs_only_between_requests_one_piece_a_turn(tmp_path):
+    """The loop does its scheduler's idle work only with no request in flight, one piece per turn and
+    without waiting on the socket meanwhile; a request that arrives is stepped before the next piece."""
+    names = IpcNames.in_dir(str(tmp_path))
+    ctx = zmq.Context()
+    try:
+        detok = make_socket(ctx, zmq.PULL, bind=names.detokenizer_input)
+        make_socket(ctx, zmq.PULL, bind=names.tokenizer_input)
+        loop = SchedulerLoop(IdleWorkScheduler(idle_pieces=3), names, ctx)
+        loop.last_log = float("inf")  # no periodic stats line
+        to_sched = make_socket(ctx, zmq.PUSH, connect=names.scheduler_input)
+        to_sched.send(encode(GenerateReq([1, 2], SamplingParams(max_new_tokens=2), rid="a")))
+        delivered(loop).run_once()  # reads and steps the request: no idle work beside it
+        assert loop.scheduler.has_work() and loop.scheduler.idle_pieces == 3
+        loop.run_once()  # its last token
+        assert not loop.scheduler.has_work() and loop.scheduler.idle_pieces == 3
+        start = time.monotonic()
+        loop.run_once()
+        assert loop.scheduler.idle_pieces == 2 and time.monotonic() - start < 0.05  # one piece, no wait
+        to_sched.send(encode(GenerateReq([1], SamplingParams(max_new_tokens=1), rid="b")))
+        delivered(loop).run_once()
+        assert loop.scheduler.idle_pieces == 2  # the request first
+        loop.run_once()
+        loop.run_once()
+        assert loop.scheduler.idle_pieces == 0
+        loop.run_once()  # nothing left: waits on the socket, does nothing
+        assert loop.scheduler.idle_pieces == 0
+        items = [m for m in iter(lambda: decode(detok.recv()) if detok.poll(100) else None, None)
+                 if isinstance(m, BatchOutput)]
+        assert sum(item.finished for m in items for item in m.items) == 2
+    finally:
+        ctx.destroy(linger=0)
