@@ -232,9 +232,10 @@ static void with_chunks(int64_t nc, Fn&& fn) {
   }
 }
 
-// The unit paths (head_dim a multiple of 16, at most 128; AVX-512 or AVX2 code, the same bits): per request
-// the leading columns all its rows see and each row's visible columns after them; units of (request, KV
-// head, rows) over the threads.
+// The unit paths (head_dim a multiple of 16, at most 128; AVX-512 or AVX2 code, the same bits): units of
+// (request, KV head, rows) over the threads, each with the leading columns all its rows see (a masked
+// request's: all of its rows'; a causal one's: the unit's first row's) and each row's visible columns
+// after them.
 static void attention_units(const std::vector<Request>& reqs, int64_t num_rows, int64_t num_heads, int64_t group,
                             const float* qp, int64_t q_row_stride, const Pool& pool, const int64_t* slots,
                             const uint8_t* mask, float scale, float* op, bool avx512) {

@@ -14,8 +14,8 @@ A request's text goes in when it asks for drafts (`wants_drafts`: the prompt at 
 then each plain step's token at the next), all that is new at once. Under load, where the schedule
 decodes plain, a request never asks: when it leaves (`release`) its text waits in `pending`, and the
 Scheduler inserts it while it has no requests (`idle_work`, one text at a time), so a loaded server
-spends no step on inserts (~15 us a token in Python, ~3x that right after a forward has flushed the
-CPU caches; 5-15 ms a code-editing request). Another request drafts from a text once it went in. A
+spends no step on inserts (~15 us a token in Python, more right after a forward has flushed the CPU
+caches: ~3 ms a code-editing request's prompt and output). Another request drafts from a text once it went in. A
 retracted request is prefilled again and its text counted again: counts only order drafts, the target
 decides every token.
 """
