@@ -113,8 +113,11 @@ class NgramWorker:
     def release(self, req: Req, keep_draft_kv: bool) -> None:
         """Forget the request's cursor; what the cache has not seen of its text waits for `idle_work`."""
         cursor = self.text.pop(req.rid, None)
-        if cursor is not None and cursor.length < len(req.all_ids):
-            self.pending.append((list(req.all_ids), cursor))
+        if cursor is None:
+            return
+        tokens = list(req.all_ids)  # one snapshot (Req.all_ids builds a new list per access)
+        if cursor.length < len(tokens):
+            self.pending.append((tokens, cursor))
             if len(self.pending) > MAX_PENDING_TEXTS:
                 self.cache.insert_rest(*self.pending.popleft())
 
