@@ -21,8 +21,10 @@ first, then the speculative server first, and each row's ratio is the geometric 
 ratios (tokens/s averaged over both). Every timed pass starts from flushed caches (`/flush_cache`: the radix cache,
 and on the speculative server its n-gram corpus and parked draft rows), so no pass drafts from an
 earlier pass's replies to the same prompts (before 2026-11-26 the c4/c16 passes could: each prompt went
-to the speculative server once at batch 1 and twice per concurrency). Workloads:
-benchmarks/spec_workloads.py. Prints a table and writes --json.
+to the speculative server once at batch 1 and twice per concurrency); both servers are flushed before
+each pass, and each gets SETTLE_S after each batch-1 request, so neither server's work between requests
+(NGRAM's inserts of released text) runs during the other's timed requests (before 2026-11-27 it could,
+in the speculative server's favour). Workloads: benchmarks/spec_workloads.py. Prints a table and writes --json.
 """
 
 from __future__ import annotations
@@ -80,6 +82,12 @@ def flush(url: str) -> None:
     httpx.post(f"{url}/flush_cache", timeout=60).raise_for_status()
 
 
+# After each timed request, both servers get this long to finish their work between requests (NGRAM
+# inserts a released request's text into its n-gram cache once it has no request in flight: ~3-15 ms
+# of Python): on two shared cores it would otherwise run during the other server's next request.
+SETTLE_S = 0.05
+
+
 async def run_batch1(urls: dict[str, str], prompts: list[list[int]], max_new: int) -> tuple[dict, dict]:
     outs: dict[str, list[dict]] = {k: [] for k in urls}
     secs: dict[str, float] = Counter()
@@ -90,6 +98,7 @@ async def run_batch1(urls: dict[str, str], prompts: list[list[int]], max_new: in
                 out, dt = await generate(client, urls[name], ids, max_new)
                 outs[name].append(out)
                 secs[name] += dt
+                await asyncio.sleep(SETTLE_S)
     return outs, secs
 
 
@@ -186,7 +195,9 @@ def run_servers(args: argparse.Namespace, order: tuple[str, str], concs: list[in
             for conc in concs:
                 outs, secs = {"plain": [], "spec": []}, Counter()
                 for name in ("plain", "spec", "spec", "plain"):
-                    flush(urls[name])
+                    for url in urls.values():  # both: the idle one drops the work its last pass left
+                        flush(url)
+                    time.sleep(SETTLE_S)
                     got, dt = asyncio.run(run_concurrent(urls[name], prompts, args.max_new_tokens, conc))
                     outs[name] = got  # both runs are greedy: the same outputs
                     secs[name] += dt / 2
