@@ -24,7 +24,7 @@ earlier pass's replies to the same prompts (before 2026-11-26 the c4/c16 passes 
 to the speculative server once at batch 1 and twice per concurrency); both servers are flushed before
 each pass, and each gets SETTLE_S after each batch-1 request, so neither server's work between requests
 (NGRAM's inserts of released text) runs during the other's timed requests (before 2026-11-27 it could,
-in the speculative server's favour). Workloads: benchmarks/spec_workloads.py. Prints a table and writes --json.
+skewing cells either way). Workloads: benchmarks/spec_workloads.py. Prints a table and writes --json.
 """
 
 from __future__ import annotations
