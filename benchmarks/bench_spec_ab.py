@@ -77,9 +77,11 @@ async def run_concurrent(url: str, prompts: list[list[int]], max_new: int, conc:
         return list(outs), time.perf_counter() - start
 
 
-def flush(url: str) -> None:
-    """Forget the server's cached text (radix cache, n-gram corpus, parked draft rows); it is idle here."""
-    httpx.post(f"{url}/flush_cache", timeout=60).raise_for_status()
+def flush(urls: dict[str, str]) -> None:
+    """Forget both servers' cached text (radix cache, n-gram corpus, parked draft rows) and the work
+    their last requests left (NGRAM's released text waiting for an idle moment); both are idle here."""
+    for url in urls.values():
+        httpx.post(f"{url}/flush_cache", timeout=60).raise_for_status()
 
 
 # After each timed request, both servers get this long to finish their work between requests (NGRAM
@@ -187,17 +189,14 @@ def run_servers(args: argparse.Namespace, order: tuple[str, str], concs: list[in
                 prompts = saved[workload][: args.num_prompts]
             else:
                 prompts = workload_prompts(workload, tokenizer, args.num_prompts)
-            for url in urls.values():
-                flush(url)
+            flush(urls)
             outs, secs = asyncio.run(run_batch1(urls, prompts, args.max_new_tokens))
             rows.append(summarize(workload, "bs1", outs, secs))
             print_row(rows[-1])
             for conc in concs:
                 outs, secs = {"plain": [], "spec": []}, Counter()
                 for name in ("plain", "spec", "spec", "plain"):
-                    for url in urls.values():  # both: the idle one drops the work its last pass left
-                        flush(url)
-                    time.sleep(SETTLE_S)
+                    flush(urls)  # both: the idle one drops the work its last pass left
                     got, dt = asyncio.run(run_concurrent(urls[name], prompts, args.max_new_tokens, conc))
                     outs[name] = got  # both runs are greedy: the same outputs
                     secs[name] += dt / 2
