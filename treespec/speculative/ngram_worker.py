@@ -91,11 +91,13 @@ class NgramWorker:
     def defer_extend(self, reqs: list[Req], tokens: list[int], batch: ForwardBatch, output: ModelOutput) -> None:
         """A plain step's tokens wait: `_catch_up` inserts them when the request drafts or leaves."""
 
-    def _catch_up(self, req: Req) -> None:
-        """Insert the request's tokens its cursor has not seen (those of its plain steps)."""
+    def _catch_up(self, req: Req, ids: list[int]) -> TextCursor | None:
+        """Insert the request's tokens (`ids`: its all_ids) its cursor has not seen (those of its plain
+        steps); returns the cursor, which then stands at the end of `ids`."""
         cursor = self.text.get(req.rid)
         if cursor is not None:
-            self.cache.insert_rest(req.all_ids, cursor)
+            self.cache.insert_rest(ids, cursor)
+        return cursor
 
     def min_accept_prob(self, shape: SpecShape) -> float:
         """The estimated acceptance a draft node needs to join this step's tree."""
@@ -105,10 +107,10 @@ class NgramWorker:
     def wants_drafts(self, reqs: list[Req], shape: SpecShape) -> bool:
         """Whether any request has a draft node worth verifying this step (else the Scheduler runs a
         plain step)."""
-        for req in reqs:
-            self._catch_up(req)
+        contexts = [r.all_ids for r in reqs]  # one list per request (Req.all_ids builds a new one per access)
+        cursors = [self._catch_up(r, ids) for r, ids in zip(reqs, contexts, strict=True)]
         min_accept = self.min_accept_prob(shape)
-        return any(self.cache.has_match(r.all_ids, 0, min_accept) for r in reqs)
+        return any(self.cache.has_match(ids, 0, min_accept, cursor) for ids, cursor in zip(contexts, cursors, strict=True))
 
     def release(self, req: Req, keep_draft_kv: bool) -> None:
         """Forget the request's cursor; what the cache has not seen of its text waits for `idle_work`."""
@@ -136,26 +138,30 @@ class NgramWorker:
         self.text.clear()
         self.pending.clear()
 
-    def _draft(self, req: Req, max_drafts: int, min_accept: float) -> tuple[list[int], list[int]]:
-        """(tokens, parents) of one request's drafts. A constrained request asks the cache for twice its
-        budget and keeps the drafts its grammar allows, so its nodes go to tokens that can be accepted."""
+    def _draft(self, req: Req, ids: list[int], cursor: TextCursor | None, max_drafts: int, min_accept: float
+               ) -> tuple[list[int], list[int]]:
+        """(tokens, parents) of one request's drafts (`ids`: its all_ids, `cursor`: its text's, caught
+        up). A constrained request asks the cache for twice its budget and keeps the drafts its grammar
+        allows, so its nodes go to tokens that can be accepted."""
         if req.grammar is None:
-            draft = self.cache.draft(req.all_ids, max_drafts, min_accept)
+            draft = self.cache.draft(ids, max_drafts, min_accept, cursor)
             return draft.tokens, draft.parents
-        draft = self.cache.draft(req.all_ids, GRAMMAR_DRAFT_OVERSAMPLE * max_drafts, min_accept)
+        draft = self.cache.draft(ids, GRAMMAR_DRAFT_OVERSAMPLE * max_drafts, min_accept, cursor)
         return req.grammar.allowed_drafts(draft.tokens, draft.parents, max_drafts)
 
     def decode_step(self, reqs: list[Req], shape: SpecShape) -> SpecStepResult:
         """Draft from the cache within `shape.num_draft_tokens` nodes per request (the root included) and
         verify. The Scheduler sized `shape` against the free KV; this allocates only what the largest
         tree needs (no drafts anywhere: a plain step)."""
-        for req in reqs:  # wants_drafts did this, unless a pinned seeded step skipped it
-            self._catch_up(req)
+        contexts = [r.all_ids for r in reqs]
+        # wants_drafts caught every request up, unless a pinned seeded step skipped it
+        cursors = [self._catch_up(r, ids) for r, ids in zip(reqs, contexts, strict=True)]
         kv_lens = [r.kv_len for r in reqs]
         prefix_slots = [self.req_to_token_pool.read(r.req_pool_idx, 0, k) for r, k in zip(reqs, kv_lens, strict=True)]
         roots = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=self.device)
         min_accept = self.min_accept_prob(shape)
-        drafts = [self._draft(r, shape.num_draft_tokens - 1, min_accept) for r in reqs]
+        drafts = [self._draft(r, ids, cursor, shape.num_draft_tokens - 1, min_accept)
+                  for r, ids, cursor in zip(reqs, contexts, cursors, strict=True)]
         tree = tree_from_parents(roots, [d[0] for d in drafts], [d[1] for d in drafts], kv_lens)
         return verify_tree_step(reqs, tree, kv_lens, prefix_slots, self.target, self.allocator,
                                 self.target_capture_layers, return_all_hidden=False, node_sources="ngram")

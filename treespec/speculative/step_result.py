@@ -81,17 +81,19 @@ def verify_tree_step(
     vbatch = verify_batch(tree, prefix_slots, verify_slots, positions, capture_layers, device)
     out = target.forward(vbatch, return_all_hidden=return_all_hidden)
     predicts, accept_index, accept_length = verify_tree_mixed(reqs, out.logits, tree)
-    accept_rows, kept_slots, rejected = split_accepted(accept_index, accept_length, verify_slots)
+    row_lists, kept_slots, rejected = split_accepted(accept_index, accept_length, verify_slots)
     allocator.free(rejected)
-    tokens = [predicts[rows].tolist() for rows in accept_rows]
+    predicted = predicts.tolist()
+    tokens = [[predicted[r] for r in rows] for rows in row_lists]
+    accept_rows = [torch.tensor(rows, dtype=torch.int64) for rows in row_lists]
     logprobs = [
         token_logprobs(req, out.logits[rows.to(device)], toks) if req.return_logprob else None
         for req, rows, toks in zip(reqs, accept_rows, tokens, strict=True)
     ]
     n = tree.num_nodes
     sources = []
-    for b, rows in enumerate(accept_rows):
-        nodes = (rows[1:] - b * n).tolist()  # the accepted drafts' nodes (rows are b * n + node)
+    for b, rows in enumerate(row_lists):
         per_node = [node_sources] * n if isinstance(node_sources, str) else ["root", *node_sources[b]]
-        sources.append([per_node[t] for t in nodes] + ["target"])
+        # the accepted drafts' nodes (rows are b * n + node), then the bonus token
+        sources.append([per_node[r - b * n] for r in rows[1:]] + ["target"])
     return SpecStepResult(tokens, kept_slots, logprobs, kv_lens, accept_rows, out, sources)

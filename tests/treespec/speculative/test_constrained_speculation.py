@@ -96,8 +96,8 @@ def test_constrained_greedy_speculation_equals_plain(model_dirs, references, kin
         worker = engine.scheduler.spec_worker
         real_draft = worker._draft
 
-        def recording_draft(req, max_drafts, min_accept):
-            tokens, parents = real_draft(req, max_drafts, min_accept)
+        def recording_draft(req, *args):
+            tokens, parents = real_draft(req, *args)
             if req.grammar is not None:
                 constrained_drafts.extend(tokens)
             return tokens, parents

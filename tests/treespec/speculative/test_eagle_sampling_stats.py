@@ -89,8 +89,8 @@ def record_ngram_parents(engine: Engine) -> list[list[int]]:
     cache = engine.scheduler.spec_worker.cache
     real_draft, parent_lists = cache.draft, []
 
-    def recording_draft(context, max_drafts, min_accept_prob=0.0):
-        draft = real_draft(context, max_drafts, min_accept_prob)
+    def recording_draft(context, max_drafts, min_accept_prob=0.0, cursor=None):
+        draft = real_draft(context, max_drafts, min_accept_prob, cursor)
         parent_lists.append(draft.parents)
         return draft
 

@@ -193,6 +193,36 @@ def test_cursor_survives_eviction_by_walking_from_the_root():
     assert counts[tuple(text[-3:])] >= 1  # the newest n-grams of our text are in
 
 
+def test_matching_through_a_cursor_finds_what_walking_the_trie_finds():
+    """has_match and draft given the text's cursor (its suffixes' nodes at hand) return what walking the
+    trie returns, while other texts evict and reuse node ids and the cursor sometimes lags (then it is
+    not used)."""
+    import copy
+
+    from treespec.speculative.ngram_cache import TextCursor
+
+    rng = random.Random(5)
+    for capacity, window in ((60, 3), (400, 6), (10_000, 12)):
+        cache = NgramCache(NgramConfig(capacity=capacity, branch_length=7, max_match_window=window))
+        cursor, text = TextCursor(), [rng.randrange(8) for _ in range(12)]
+        cache.insert(text, None, cursor)
+        for _ in range(150):
+            text += [rng.randrange(8) for _ in range(rng.randrange(0, 4))]
+            if rng.random() < 0.8:  # else its cursor lags behind the text: it must not be used
+                cache.insert_rest(text, cursor)
+            # another request's text, after: it may evict (and reuse) the nodes the cursor holds
+            cache.insert([rng.randrange(12) for _ in range(rng.randrange(1, 15))])
+            for min_width in (0, 2, 4):
+                assert cache._longest_match(text, min_width, cursor) == cache._longest_match(text, min_width)
+            for min_accept in (0.0, 0.3, 0.6):
+                assert cache.has_match(text, 0, min_accept, cursor) == cache.has_match(text, 0, min_accept)
+            min_accept = rng.choice((0.0, 0.3))
+            walking = copy.deepcopy(cache)  # drafting touches nodes: each way drafts from the same state
+            drafted, walked = cache.draft(text, 6, min_accept, cursor), walking.draft(text, 6, min_accept)
+            assert (drafted.tokens, drafted.parents, drafted.match_length) == (
+                    walked.tokens, walked.parents, walked.match_length)
+
+
 def test_the_trie_adds_no_objects_for_the_cycle_collector():
     """Nodes are ids into lists of ints, children dicts of ints: a full collection does not walk the
     trie, however large (node objects cost a 200 ms pause at ~80k nodes)."""

@@ -64,8 +64,8 @@ def record_drafts(engine: Engine) -> list[list[int]]:
     drafts: list[list[int]] = []
     real_draft = cache.draft
 
-    def recording_draft(context, max_drafts, min_accept_prob=0.0):
-        draft = real_draft(context, max_drafts, min_accept_prob)
+    def recording_draft(context, max_drafts, min_accept_prob=0.0, cursor=None):
+        draft = real_draft(context, max_drafts, min_accept_prob, cursor)
         drafts.append(list(draft.tokens))
         return draft
 
