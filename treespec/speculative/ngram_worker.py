@@ -53,6 +53,13 @@ def ngram_config(args: ServerArgs) -> NgramConfig:
     )
 
 
+def draft_limit(req: Req, shape: SpecShape) -> int:
+    """Draft nodes worth verifying for `req` this step: the shape's budget, but no deeper than the tokens
+    it may still emit (a step emits its accepted drafts and one more; max_new_tokens stops the rest), so
+    a request's last steps verify no rows that could never be kept."""
+    return max(0, min(shape.num_draft_tokens - 1, req.sampling_params.max_new_tokens - len(req.output_ids) - 1))
+
+
 class NgramWorker:
     target_capture_layers: tuple[int, ...] = ()
     needs_target_hidden = False
@@ -110,7 +117,8 @@ class NgramWorker:
         contexts = [r.all_ids for r in reqs]  # one list per request (Req.all_ids builds a new one per access)
         cursors = [self._catch_up(r, ids) for r, ids in zip(reqs, contexts, strict=True)]
         min_accept = self.min_accept_prob(shape)
-        return any(self.cache.has_match(ids, 0, min_accept, cursor) for ids, cursor in zip(contexts, cursors, strict=True))
+        return any(draft_limit(r, shape) > 0 and self.cache.has_match(ids, 0, min_accept, cursor)
+                   for r, ids, cursor in zip(reqs, contexts, cursors, strict=True))
 
     def release(self, req: Req, keep_draft_kv: bool) -> None:
         """Forget the request's cursor; what the cache has not seen of its text waits for `idle_work`."""
@@ -160,7 +168,7 @@ class NgramWorker:
         prefix_slots = [self.req_to_token_pool.read(r.req_pool_idx, 0, k) for r, k in zip(reqs, kv_lens, strict=True)]
         roots = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=self.device)
         min_accept = self.min_accept_prob(shape)
-        drafts = [self._draft(r, ids, cursor, shape.num_draft_tokens - 1, min_accept)
+        drafts = [self._draft(r, ids, cursor, draft_limit(r, shape), min_accept)
                   for r, ids, cursor in zip(reqs, contexts, cursors, strict=True)]
         tree = tree_from_parents(roots, [d[0] for d in drafts], [d[1] for d in drafts], kv_lens)
         return verify_tree_step(reqs, tree, kv_lens, prefix_slots, self.target, self.allocator,

@@ -134,6 +134,27 @@ def test_one_requests_text_changes_anothers_drafts_not_its_output(model_dirs, re
     assert sum(map(len, runs["after_a"][1])) > sum(map(len, runs["alone"][1]))
 
 
+def test_no_draft_deeper_than_the_tokens_a_request_may_still_emit(model_dirs, references) -> None:
+    """A step emits its accepted drafts and one more token, and max_new_tokens ends the request: near its
+    end a request drafts at most (tokens left - 1) nodes, and with one token left it decodes plain. The
+    outputs stay plain greedy decoding."""
+    engine = engine_for(model_dirs, "lookup", ngram=True, speculative_num_draft_tokens=8)
+    worker = engine.scheduler.spec_worker
+    real_draft, seen = worker._draft, []
+
+    def recording_draft(req, ids, cursor, max_drafts, min_accept):
+        tokens, parents = real_draft(req, ids, cursor, max_drafts, min_accept)
+        left = req.sampling_params.max_new_tokens - len(req.output_ids)
+        seen.append((left, max_drafts, len(tokens)))
+        return tokens, parents
+
+    worker._draft = recording_draft
+    assert run_all(engine, 1) == references["lookup"]
+    assert all(drafted <= budget == min(7, left - 1) for left, budget, drafted in seen), seen
+    assert all(left > 1 for left, _, _ in seen)  # one token left: a plain step, no verify
+    assert any(left <= 7 and drafted == left - 1 for left, _, drafted in seen)  # the cap was reached
+
+
 def test_flush_cache_forgets_the_shared_corpus(model_dirs, references) -> None:
     """/flush_cache (idle) empties the n-gram corpus too: after it, request A's text no longer shapes B's
     drafts, which are again what B alone gets; the pool balances and B's output is plain greedy."""
@@ -286,7 +307,8 @@ def test_the_acceptance_threshold_decides_between_a_plain_step_and_a_verify() ->
 
     worker = default_model_worker("cpu")
     shape = worker.schedule.shape_for(1)
-    req = SimpleNamespace(rid="a", all_ids=[11, 12, 13, 11, 12, 14, 11, 12], kv_len=7, seq_len=8)
+    req = SimpleNamespace(rid="a", all_ids=[11, 12, 13, 11, 12, 14, 11, 12], kv_len=7, seq_len=8,
+                          output_ids=[0], sampling_params=SimpleNamespace(max_new_tokens=64))
     worker.after_prefill([req], [7], None, None)
     # (11, 12) went on as 13 once and 14 once: each half of the 2-token match's estimate (0.28 < 0.3)
     assert continuation_accept_prob(2) / 2 < shape.ngram_min_accept_prob
@@ -304,7 +326,8 @@ def test_plain_step_tokens_wait_for_the_next_draft_or_the_release() -> None:
     from types import SimpleNamespace
 
     worker = default_model_worker("cpu")
-    req = SimpleNamespace(rid="a", all_ids=[11, 12, 13, 14, 15, 16], kv_len=5, seq_len=6)
+    req = SimpleNamespace(rid="a", all_ids=[11, 12, 13, 14, 15, 16], kv_len=5, seq_len=6,
+                          output_ids=[0], sampling_params=SimpleNamespace(max_new_tokens=64))
     worker.after_prefill([req], [5], None, None)  # the prompt and the first sampled token
     cursor = worker.text["a"]
     assert len(worker.cache) == 0 and cursor.length == 0  # nothing until it asks for drafts
