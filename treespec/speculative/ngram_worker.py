@@ -1,6 +1,8 @@
-"""NgramWorker: training-free speculation (`--speculative-algorithm NGRAM`). Drafts come from a trie of
-the n-grams in all requests' text (ngram_cache.NgramCache, one cache shared by every request); there is
-no draft model, so no draft KV, no hidden states and no per-request draft state.
+"""NgramWorker: training-free speculation (`--speculative-algorithm NGRAM`). Drafts come from tries of
+n-grams (ngram_cache.NgramCache): each running request's own text (its prompt and output) in a trie of
+its own, drafted from first, and past requests' text in one trie shared by every request, drafted from
+where a request's own text offers no node, at a higher bar (`OTHER_TEXT_WEIGHT`). There is no draft
+model, so no draft KV and no hidden states.
 
 One step, with the same division of work as EagleWorker:
   1. `decode_step(reqs, shape)`: per request, up to `shape.num_draft_tokens - 1` drafts continuing its
@@ -9,15 +11,22 @@ One step, with the same division of work as EagleWorker:
      (tree.tree_from_parents), one TARGET_VERIFY forward, rejected slots freed, a `SpecStepResult`.
      Nothing else changes.
   2. The Scheduler commits the result.
-  3. `draft_extend(reqs, result, committed)`: the committed tokens go into the cache.
-A request's text goes in when it asks for drafts (`wants_drafts`: the prompt at its first decode step,
-then each plain step's token at the next), all that is new at once. Under load, where the schedule
-decodes plain, a request never asks: when it leaves (`release`) its text waits in `pending`, and the
-Scheduler inserts it while it has no requests (`idle_work`, one text at a time), so a loaded server
-spends no step on inserts (~15 us a token in Python, more right after a forward has flushed the CPU
-caches: ~3 ms a code-editing request's prompt and output). Another request drafts from a text once it went in. A
-retracted request is prefilled again and its text counted again: counts only order drafts, the target
-decides every token.
+  3. `draft_extend(reqs, result, committed)`: the committed tokens go into the request's own trie.
+A request's text goes into its own trie when it asks for drafts (`wants_drafts`: the prompt at its first
+decode step, then each plain step's token at the next), all that is new at once. Under load, where the
+schedule decodes plain, a request never asks. When it leaves (`release`) its whole text waits in
+`pending` for the shared trie, and the Scheduler inserts it while it has no requests (`idle_work`, one
+text at a time), so a loaded server spends no step on inserts (~15 us a token in Python, more right
+after a forward has flushed the CPU caches: ~3 ms a code-editing request's prompt and output). Another
+request drafts from a text once it went in.
+
+Why own text first: other requests' continuations of a match are accepted less often than the estimate
+says (it was fitted on a request's own text), and in one shared trie they also dilute the share of the
+request's own continuation. Replaying the held-out benchmark replies (`ngram_accept_fit.py`'s model,
+12 nodes >= 0.3): own trie first, the shared one at 0.3 / 0.6 = 0.5 where the own one has nothing,
+chat 1.275x, multi-turn 1.370x, code editing 2.182x, summarising 1.662x against 1.260x, 1.359x,
+2.130x and 1.628x for one shared trie. A retracted request is prefilled again and keeps its own trie
+and cursor: counts only order drafts, the target decides every token.
 """
 
 from __future__ import annotations
@@ -39,6 +48,9 @@ from treespec.speculative.tree import tree_from_parents
 
 # released requests' text waiting for an idle scheduler; past this many, the oldest goes in at once
 MAX_PENDING_TEXTS = 256
+# A node drafted from other requests' text (the shared trie) counts at this fraction of its estimated
+# acceptance against the threshold (0.3 -> 0.5 with the tuned schedule; a threshold of 0 takes any node)
+OTHER_TEXT_WEIGHT = 0.6
 GRAMMAR_DRAFT_OVERSAMPLE = 2  # a constrained request draws this many times its budget, then keeps the allowed
 
 
@@ -60,6 +72,16 @@ def draft_limit(req: Req, shape: SpecShape) -> int:
     return max(0, min(shape.num_draft_tokens - 1, req.sampling_params.max_new_tokens - len(req.output_ids) - 1))
 
 
+class OwnText:
+    """A running request's own text: its trie and the cursor that says how much of its text went in."""
+
+    __slots__ = ("cache", "cursor")
+
+    def __init__(self, config: NgramConfig) -> None:
+        self.cache = NgramCache(config)
+        self.cursor = TextCursor()
+
+
 class NgramWorker:
     target_capture_layers: tuple[int, ...] = ()
     needs_target_hidden = False
@@ -75,36 +97,39 @@ class NgramWorker:
         # without it, the same chain at every batch size
         self.schedule = SpecSchedule.from_flags(args.speculative_config, ndraft - 1, 1, ndraft,
                                                 target_runner.schedule_kind())
-        self.cache = NgramCache(ngram_config(args))
+        self.config = ngram_config(args)
+        self.cache = NgramCache(self.config)  # past requests' text, shared (--speculative-ngram-capacity)
         self.min_accept_prob_flag = args.speculative_ngram_min_accept_prob  # None: each shape's own
-        self.text: dict[str, TextCursor] = {}  # rid -> where its text stands in the cache (cheap inserts)
-        self.pending: deque[tuple[list[int], TextCursor]] = deque()  # released text for `idle_work`
+        self.text: dict[str, OwnText] = {}  # rid -> its own trie and cursor, while it runs
+        self.pending: deque[list[int]] = deque()  # released text for the shared trie (`idle_work`)
         self.target = target_runner
         self.req_to_token_pool, self.allocator = req_to_token_pool, allocator
         self.device = target_runner.device
 
     def after_prefill(self, reqs: list[Req], lens: list[int], batch: ForwardBatch, output: ModelOutput) -> None:
-        """A cursor for every request whose prefill completed: its text goes in when it first asks for
-        drafts, or after it leaves."""
+        """An own trie for every request whose prefill completed: its text goes in when it first asks
+        for drafts (and into the shared trie after it leaves)."""
         for req in reqs:
-            if req.kv_len == req.seq_len - 1:
-                self.text.setdefault(req.rid, TextCursor())
+            if req.kv_len == req.seq_len - 1 and req.rid not in self.text:
+                self.text[req.rid] = OwnText(self.config)
 
     def draft_extend(self, reqs: list[Req], result: SpecStepResult, committed: list[int]) -> None:
-        """Insert each request's committed tokens (finished requests too: their text helps others)."""
+        """Insert each request's committed tokens into its own trie."""
         for req, num_new in zip(reqs, committed, strict=True):
-            self.cache.insert(req.all_ids, num_new, self.text.get(req.rid))
+            own = self.text.get(req.rid)
+            if own is not None:
+                own.cache.insert(req.all_ids, num_new, own.cursor)
 
     def defer_extend(self, reqs: list[Req], tokens: list[int], batch: ForwardBatch, output: ModelOutput) -> None:
         """A plain step's tokens wait: `_catch_up` inserts them when the request drafts or leaves."""
 
-    def _catch_up(self, req: Req, ids: list[int]) -> TextCursor | None:
-        """Insert the request's tokens (`ids`: its all_ids) its cursor has not seen (those of its plain
-        steps); returns the cursor, which then stands at the end of `ids`."""
-        cursor = self.text.get(req.rid)
-        if cursor is not None:
-            self.cache.insert_rest(ids, cursor)
-        return cursor
+    def _catch_up(self, req: Req, ids: list[int]) -> OwnText | None:
+        """Insert into the request's own trie its tokens (`ids`: its all_ids) not in yet (its prompt,
+        its plain steps' tokens); its cursor then stands at the end of `ids`."""
+        own = self.text.get(req.rid)
+        if own is not None:
+            own.cache.insert_rest(ids, own.cursor)
+        return own
 
     def min_accept_prob(self, shape: SpecShape) -> float:
         """The estimated acceptance a draft node needs to join this step's tree."""
@@ -115,21 +140,29 @@ class NgramWorker:
         """Whether any request has a draft node worth verifying this step (else the Scheduler runs a
         plain step)."""
         contexts = [r.all_ids for r in reqs]  # one list per request (Req.all_ids builds a new one per access)
-        cursors = [self._catch_up(r, ids) for r, ids in zip(reqs, contexts, strict=True)]
+        owns = [self._catch_up(r, ids) for r, ids in zip(reqs, contexts, strict=True)]
         min_accept = self.min_accept_prob(shape)
-        return any(draft_limit(r, shape) > 0 and self.cache.has_match(ids, 0, min_accept, cursor)
-                   for r, ids, cursor in zip(reqs, contexts, cursors, strict=True))
+        return any(draft_limit(r, shape) > 0 and self._source(ids, own, min_accept) is not None
+                   for r, ids, own in zip(reqs, contexts, owns, strict=True))
+
+    def _source(self, ids: list[int], own: OwnText | None, min_accept: float
+                ) -> tuple[NgramCache, TextCursor | None, float] | None:
+        """Where this step's drafts for context `ids` come from: (trie, its cursor if any, threshold), the
+        request's own trie if it offers a node, else the shared one at the other-text bar, else None."""
+        if own is not None and own.cache.has_match(ids, 0, min_accept, own.cursor):
+            return own.cache, own.cursor, min_accept
+        other = min_accept / OTHER_TEXT_WEIGHT
+        if other < 1.0 and self.cache.has_match(ids, 0, other):
+            return self.cache, None, other
+        return None
 
     def release(self, req: Req, keep_draft_kv: bool) -> None:
-        """Forget the request's cursor; what the cache has not seen of its text waits for `idle_work`."""
-        cursor = self.text.pop(req.rid, None)
-        if cursor is None:
+        """Drop the request's own trie; its whole text waits for `idle_work` to go into the shared one."""
+        if self.text.pop(req.rid, None) is None:
             return
-        tokens = list(req.all_ids)  # one snapshot (Req.all_ids builds a new list per access)
-        if cursor.length < len(tokens):
-            self.pending.append((tokens, cursor))
-            if len(self.pending) > MAX_PENDING_TEXTS:
-                self.cache.insert_rest(*self.pending.popleft())
+        self.pending.append(list(req.all_ids))  # one snapshot (Req.all_ids builds a new list per access)
+        if len(self.pending) > MAX_PENDING_TEXTS:
+            self.cache.insert(self.pending.popleft())
 
     def has_idle_work(self) -> bool:
         return bool(self.pending)
@@ -138,23 +171,27 @@ class NgramWorker:
         """Insert the oldest released text still waiting (the Scheduler calls this with no request in
         flight, one text per call, so a request arriving meanwhile waits for one insert at most)."""
         if self.pending:
-            self.cache.insert_rest(*self.pending.popleft())
+            self.cache.insert(self.pending.popleft())
 
     def flush(self) -> None:
         """Forget every request's text (`/flush_cache`, with no request in flight)."""
-        self.cache = NgramCache(self.cache.config)
+        self.cache = NgramCache(self.config)
         self.text.clear()
         self.pending.clear()
 
-    def _draft(self, req: Req, ids: list[int], cursor: TextCursor | None, max_drafts: int, min_accept: float
+    def _draft(self, req: Req, ids: list[int], own: OwnText | None, max_drafts: int, min_accept: float
                ) -> tuple[list[int], list[int]]:
-        """(tokens, parents) of one request's drafts (`ids`: its all_ids, `cursor`: its text's, caught
-        up). A constrained request asks the cache for twice its budget and keeps the drafts its grammar
-        allows, so its nodes go to tokens that can be accepted."""
+        """(tokens, parents) of one request's drafts (`ids`: its all_ids, `own`: its own trie, caught up),
+        from the source `_source` picks. A constrained request asks for twice its budget and keeps the
+        drafts its grammar allows, so its nodes go to tokens that can be accepted."""
+        source = self._source(ids, own, min_accept) if max_drafts > 0 else None
+        if source is None:
+            return [], []
+        cache, cursor, threshold = source
         if req.grammar is None:
-            draft = self.cache.draft(ids, max_drafts, min_accept, cursor)
+            draft = cache.draft(ids, max_drafts, threshold, cursor)
             return draft.tokens, draft.parents
-        draft = self.cache.draft(ids, GRAMMAR_DRAFT_OVERSAMPLE * max_drafts, min_accept, cursor)
+        draft = cache.draft(ids, GRAMMAR_DRAFT_OVERSAMPLE * max_drafts, threshold, cursor)
         return req.grammar.allowed_drafts(draft.tokens, draft.parents, max_drafts)
 
     def decode_step(self, reqs: list[Req], shape: SpecShape) -> SpecStepResult:
@@ -163,13 +200,13 @@ class NgramWorker:
         tree needs (no drafts anywhere: a plain step)."""
         contexts = [r.all_ids for r in reqs]
         # wants_drafts caught every request up, unless a pinned seeded step skipped it
-        cursors = [self._catch_up(r, ids) for r, ids in zip(reqs, contexts, strict=True)]
+        owns = [self._catch_up(r, ids) for r, ids in zip(reqs, contexts, strict=True)]
         kv_lens = [r.kv_len for r in reqs]
         prefix_slots = [self.req_to_token_pool.read(r.req_pool_idx, 0, k) for r, k in zip(reqs, kv_lens, strict=True)]
         roots = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=self.device)
         min_accept = self.min_accept_prob(shape)
-        drafts = [self._draft(r, ids, cursor, draft_limit(r, shape), min_accept)
-                  for r, ids, cursor in zip(reqs, contexts, cursors, strict=True)]
+        drafts = [self._draft(r, ids, own, draft_limit(r, shape), min_accept)
+                  for r, ids, own in zip(reqs, contexts, owns, strict=True)]
         tree = tree_from_parents(roots, [d[0] for d in drafts], [d[1] for d in drafts], kv_lens)
         return verify_tree_step(reqs, tree, kv_lens, prefix_slots, self.target, self.allocator,
                                 self.target_capture_layers, return_all_hidden=False, node_sources="ngram")

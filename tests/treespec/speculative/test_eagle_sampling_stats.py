@@ -86,15 +86,15 @@ def goodness_of_fit(observed: torch.Tensor, probs: torch.Tensor) -> float:
 
 def record_ngram_parents(engine: Engine) -> list[list[int]]:
     """The parent lists of every n-gram draft the engine makes from now on."""
-    cache = engine.scheduler.spec_worker.cache
-    real_draft, parent_lists = cache.draft, []
+    worker = engine.scheduler.spec_worker
+    real_draft, parent_lists = worker._draft, []
 
-    def recording_draft(context, max_drafts, min_accept_prob=0.0, cursor=None):
-        draft = real_draft(context, max_drafts, min_accept_prob, cursor)
-        parent_lists.append(draft.parents)
-        return draft
+    def recording_draft(*args):
+        tokens, parents = real_draft(*args)
+        parent_lists.append(parents)
+        return tokens, parents
 
-    cache.draft = recording_draft
+    worker._draft = recording_draft
     return parent_lists
 
 

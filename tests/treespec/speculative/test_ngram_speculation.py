@@ -59,17 +59,17 @@ def run_all(engine: Engine, batch_size: int, prompts=PROMPTS, params=PARAMS) -> 
 
 
 def record_drafts(engine: Engine) -> list[list[int]]:
-    """Record the draft tokens of every request at every step (wraps the worker's cache)."""
-    cache = engine.scheduler.spec_worker.cache
+    """Record the draft tokens of every request at every step (wraps the worker's drafting)."""
+    worker = engine.scheduler.spec_worker
     drafts: list[list[int]] = []
-    real_draft = cache.draft
+    real_draft = worker._draft
 
-    def recording_draft(context, max_drafts, min_accept_prob=0.0, cursor=None):
-        draft = real_draft(context, max_drafts, min_accept_prob, cursor)
-        drafts.append(list(draft.tokens))
-        return draft
+    def recording_draft(*args):
+        tokens, parents = real_draft(*args)
+        drafts.append(list(tokens))
+        return tokens, parents
 
-    cache.draft = recording_draft
+    worker._draft = recording_draft
     return drafts
 
 
@@ -142,8 +142,8 @@ def test_no_draft_deeper_than_the_tokens_a_request_may_still_emit(model_dirs, re
     worker = engine.scheduler.spec_worker
     real_draft, seen = worker._draft, []
 
-    def recording_draft(req, ids, cursor, max_drafts, min_accept):
-        tokens, parents = real_draft(req, ids, cursor, max_drafts, min_accept)
+    def recording_draft(req, ids, own, max_drafts, min_accept):
+        tokens, parents = real_draft(req, ids, own, max_drafts, min_accept)
         left = req.sampling_params.max_new_tokens - len(req.output_ids)
         seen.append((left, max_drafts, len(tokens)))
         return tokens, parents
@@ -321,32 +321,65 @@ def test_the_acceptance_threshold_decides_between_a_plain_step_and_a_verify() ->
 
 
 def test_plain_step_tokens_wait_for_the_next_draft_or_the_release() -> None:
-    """Under load the schedule decodes plain: those tokens go into the cache in one run when the request
-    next asks for drafts or leaves, not one by one after every forward."""
+    """Under load the schedule decodes plain: those tokens go into the request's own trie in one run when
+    it next asks for drafts, not one by one after every forward. When it leaves, its whole text waits
+    for an idle moment, then goes into the shared trie, where other requests draft from it."""
     from types import SimpleNamespace
 
     worker = default_model_worker("cpu")
+    shape = worker.schedule.shape_for(1)
     req = SimpleNamespace(rid="a", all_ids=[11, 12, 13, 14, 15, 16], kv_len=5, seq_len=6,
                           output_ids=[0], sampling_params=SimpleNamespace(max_new_tokens=64))
     worker.after_prefill([req], [5], None, None)  # the prompt and the first sampled token
-    cursor = worker.text["a"]
-    assert len(worker.cache) == 0 and cursor.length == 0  # nothing until it asks for drafts
+    own = worker.text["a"]
+    assert len(own.cache) == 0 and own.cursor.length == 0  # nothing until it asks for drafts
     for token in (17, 18):  # two plain steps
         req.all_ids.append(token)
         worker.defer_extend([req], [token], None, None)
-    assert len(worker.cache) == 0 and cursor.length == 0  # nothing yet
-    assert not worker.wants_drafts([req], worker.schedule.shape_for(1))  # no 2-token match for (17, 18) before it catches up: none after
-    assert cursor.length == 8 and len(worker.cache) > 0
+    assert len(own.cache) == 0 and own.cursor.length == 0  # nothing yet
+    assert not worker.wants_drafts([req], shape)  # no 2-token match for (17, 18) before it catches up: none after
+    assert own.cursor.length == 8 and len(own.cache) > 0 and len(worker.cache) == 0  # its own trie only
     req.all_ids += [11, 12]
-    assert worker.wants_drafts([req], worker.schedule.shape_for(1))  # (11, 12) was seen: 13 follows
+    assert worker.wants_drafts([req], shape)  # (11, 12) is in its own text: 13 follows
     worker.defer_extend([req], [12], None, None)
     req.all_ids.append(13)
-    before_release = len(worker.cache)
     worker.release(req, keep_draft_kv=False)
-    # the rest waits for an idle moment, then goes in
-    assert "a" not in worker.text and len(worker.cache) == before_release and worker.has_idle_work()
+    # the whole text waits for an idle moment, then goes into the shared trie
+    assert "a" not in worker.text and len(worker.cache) == 0 and worker.has_idle_work()
     worker.idle_work()
-    assert len(worker.cache) > before_release and not worker.has_idle_work()
+    assert not worker.has_idle_work() and worker.cache.has_match([9, 17, 18], 2)
+
+
+def test_own_text_first_then_past_requests_at_a_higher_bar() -> None:
+    """A request drafts from its own text first, whatever past requests' text says more often; where its
+    own text offers nothing, from the shared trie, but only nodes that clear the threshold at
+    OTHER_TEXT_WEIGHT of their estimate (0.3 -> 0.5 here)."""
+    from types import SimpleNamespace
+
+    from treespec.speculative.ngram_cache import continuation_accept_prob
+    from treespec.speculative.ngram_worker import OTHER_TEXT_WEIGHT
+
+    worker = default_model_worker("cpu")
+    shape = worker.schedule.shape_for(1)
+    for text in ([[21, 22, 23, 24, 25]] * 3 + [[31, 32, 33, 34]] + [[41, 42, 43]] * 2 + [[41, 42, 44]]):
+        worker.cache.insert(text)  # past requests' text
+    # (41, 42) went on as 43 twice in 3: estimated 0.37, above the threshold, below the other-text bar
+    assert shape.ngram_min_accept_prob <= continuation_accept_prob(2) * 2 / 3 < shape.ngram_min_accept_prob / OTHER_TEXT_WEIGHT
+    req = SimpleNamespace(rid="a", all_ids=[21, 22, 99, 98, 5, 21, 22], kv_len=6, seq_len=7, grammar=None,
+                          output_ids=[0], sampling_params=SimpleNamespace(max_new_tokens=64))
+    worker.after_prefill([req], [6], None, None)
+
+    def drafts() -> list[int]:
+        assert worker.wants_drafts([req], shape)
+        return worker._draft(req, req.all_ids, worker.text["a"], 4, shape.ngram_min_accept_prob)[0]
+
+    assert drafts()[:2] == [99, 98]  # its own continuation of (21, 22), not the shared 23, 24
+    req.all_ids += [31, 32]  # its own text has no continuation of (31, 32): the shared trie's, 0.56 >= 0.5
+    assert drafts() == [33]  # then 34: 0.56 x 0.65 = 0.36, which would do for its own text, not for others'
+    req.all_ids += [7, 41, 42]  # only the shared 0.37: not drafted, the step is plain
+    assert not worker.wants_drafts([req], shape)
+    req.all_ids += [43, 8, 41, 42]  # now (41, 42) went on as 43 in its own text
+    assert drafts()[0] == 43
 
 
 def test_a_loaded_server_inserts_no_text_until_idle() -> None:
