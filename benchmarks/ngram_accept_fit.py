@@ -12,7 +12,7 @@
    target's token is a continuation of the longest match, per matched length, each continuation weighed
    by its share of its siblings' counts; beside it `continuation_accept_prob`, the formula the cache uses.
 3. The replay: each drafting setting (node budget, threshold) run over the same replies as a server would
-   draft and verify them, with a cost model in decode steps (a verify of r rows costs
+   draft and verify them (each reply's own text first, earlier replies' at --other-text-weight), with a cost model in decode steps (a verify of r rows costs
    --verify-base + --verify-per-row x (r - 1): 1.15 and 0.14, a scheduler step's wall time by verify rows
    against a decode step's with the default int8 activations, in process on the AMD host; fp32 on the
    Intel VM measured 1.14 and 0.195), printing verify steps, accepted drafts and the modelled speed-up over plain
@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from treespec.speculative.ngram_cache import NgramCache, NgramConfig, TextCursor, continuation_accept_prob
+from treespec.speculative.ngram_worker import OTHER_TEXT_WEIGHT
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import spec_workloads as sw  # noqa: E402
@@ -110,18 +111,26 @@ def accepted_along(tokens: list[int], parents: list[int], target: list[int]) -> 
 
 
 def replay(replies: list[Reply], budget: int, min_accept: float, verify_cost: Callable[[int], float],
-           config: NgramConfig | None = None) -> dict:
-    """Draft and verify each reply as the NGRAM worker would (one cache for the set, flushed before it):
-    verify steps, accepted drafts, tokens and the modelled speed-up over plain decoding."""
-    cache = NgramCache(config or NgramConfig(min_match_window=2))
+           config: NgramConfig | None = None, other_text_weight: float = OTHER_TEXT_WEIGHT) -> dict:
+    """Draft and verify each reply as the NGRAM worker would, one at a time: from the reply's own trie
+    (its prompt and output so far) first, else from a trie of the earlier replies (flushed before the
+    set; a reply goes in when it ends) with each node's estimate weighed by `other_text_weight` (0:
+    own text only). Returns verify steps, accepted drafts and the modelled speed-up over plain decoding."""
+    config = config or NgramConfig(min_match_window=2)
+    shared = NgramCache(config)
+    other = min_accept / other_text_weight if other_text_weight > 0 else 1.0
     cost = plain = 0.0
     verifies = accepted = 0
     for prompt, output in replies:
-        ids, cursor = prompt + output[:1], TextCursor()
-        cache.insert(ids, None, cursor)
+        own, ids, cursor = NgramCache(config), prompt + output[:1], TextCursor()
+        own.insert(ids, None, cursor)
         t = 1
         while t < len(output):
-            draft = cache.draft(ids, budget - 1, min_accept) if cache.has_match(ids, 0, min_accept) else None
+            draft = None
+            if own.has_match(ids, 0, min_accept, cursor):
+                draft = own.draft(ids, budget - 1, min_accept, cursor)
+            elif other < 1.0 and shared.has_match(ids, 0, other):
+                draft = shared.draft(ids, budget - 1, other)
             if draft is not None and draft.tokens:
                 kept = accepted_along(draft.tokens, draft.parents, output[t:])
                 cost += verify_cost(1 + len(draft.tokens))
@@ -130,8 +139,9 @@ def replay(replies: list[Reply], budget: int, min_accept: float, verify_cost: Ca
             else:
                 cost, step = cost + 1.0, 1
             ids = ids + output[t : t + step]
-            cache.insert(ids, step, cursor)
+            own.insert(ids, step, cursor)
             t += step
+        shared.insert(ids)
         plain += len(output) - 1
     return {"verify_steps": verifies, "accepted_drafts": accepted, "speedup": plain / cost if cost else 1.0}
 
@@ -146,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--thresholds", default="0,0.3,0.4,0.5")
     p.add_argument("--verify-base", type=float, default=1.15)
     p.add_argument("--verify-per-row", type=float, default=0.14)
+    p.add_argument("--other-text-weight", type=float, default=OTHER_TEXT_WEIGHT,
+                   help="weight of earlier replies' nodes against the threshold (0: each reply's own text only)")
     p.add_argument("--json", default="ngram_accept_fit.json")
     args = p.parse_args(argv)
 
@@ -175,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
         line = f"{workload:11s} "
         for b in budgets:
             for th in thresholds:
-                r = replay(rs, b, th, verify_cost)
+                r = replay(rs, b, th, verify_cost, other_text_weight=args.other_text_weight)
                 rows.append({"workload": workload, "budget": b, "min_accept": th, **r})
                 line += f"{r['speedup']:>10.3f} ({r['verify_steps']:4d}, {r['accepted_drafts']:4d})"
         print(line)

@@ -392,8 +392,9 @@ FLAG_HELP = {
     "speculative_ngram_max_bfs_breadth": "NGRAM: children kept per draft node after the shortest match "
                                          "(breadth falls linearly with the match length)",
     "speculative_ngram_branch_length": "NGRAM: longest n-gram stored (how many recent tokens each insert spans)",
-    "speculative_ngram_capacity": "NGRAM: n-gram cache size in trie nodes, shared by all requests; least "
-                                  "recently used branches are evicted (~0.4 KB of host memory per node)",
+    "speculative_ngram_capacity": "NGRAM: size in nodes of each n-gram trie (the one shared by all requests, "
+                                  "each running request's own); least recently used branches are evicted "
+                                  "(~0.4 KB of host memory per node)",
     "speculative_ngram_min_accept_prob": "NGRAM: draft nodes whose estimated chance of acceptance is below this "
                                          "stay out of the tree, which is sized by what the match promises up to "
                                          "--speculative-num-draft-tokens (0 = fill the budget, as SGLang; default: "

@@ -30,5 +30,11 @@ def test_replay_speculates_on_repeated_text_and_not_below_the_threshold() -> Non
     assert hit["verify_steps"] > 0 and hit["accepted_drafts"] > 5 * hit["verify_steps"] and hit["speedup"] > 2
     none = fit.replay(replies, budget=8, min_accept=0.99, verify_cost=cost)
     assert none == {"verify_steps": 0, "accepted_drafts": 0, "speedup": 1.0}
+    # a second reply that repeats the first one's text but not its own prompt drafts from the earlier
+    # reply's text, unless that text counts for nothing
+    other = [(text, text), ([7, 8, 9], text)]
+    shared = fit.replay(other, budget=8, min_accept=0.4, verify_cost=cost, other_text_weight=1.0)
+    own_only = fit.replay(other, budget=8, min_accept=0.4, verify_cost=cost, other_text_weight=0.0)
+    assert shared["accepted_drafts"] > own_only["accepted_drafts"] + 10
     table = fit.fit_table([replies])
     assert table[12][1] == 1.0  # every 12-token match continued as stored
