@@ -25,8 +25,9 @@ says (it was fitted on a request's own text), and in one shared trie they also d
 request's own continuation. Replaying the held-out benchmark replies (`ngram_accept_fit.py`'s model,
 12 nodes >= 0.3): own trie first, the shared one at 0.3 / 0.6 = 0.5 where the own one has nothing,
 chat 1.275x, multi-turn 1.370x, code editing 2.182x, summarising 1.662x against 1.260x, 1.359x,
-2.130x and 1.628x for one shared trie. A retracted request is prefilled again and keeps its own trie
-and cursor: counts only order drafts, the target decides every token.
+2.130x and 1.628x for one shared trie. A retracted request leaves as any other (its text waits for
+the shared trie) and, prefilled again, starts a new own trie: its text may be counted twice, but counts
+only order drafts; the target decides every token.
 """
 
 from __future__ import annotations
