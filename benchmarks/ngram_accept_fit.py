@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from treespec.speculative.ngram_cache import NgramCache, NgramConfig, TextCursor, continuation_accept_prob
-from treespec.speculative.ngram_worker import OTHER_TEXT_WEIGHT
+from treespec.speculative.ngram_worker import OTHER_TEXT_WEIGHT, OwnText, draft_source
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import spec_workloads as sw  # noqa: E402
@@ -118,19 +118,18 @@ def replay(replies: list[Reply], budget: int, min_accept: float, verify_cost: Ca
     own text only). Returns verify steps, accepted drafts and the modelled speed-up over plain decoding."""
     config = config or NgramConfig(min_match_window=2)
     shared = NgramCache(config)
-    other = min_accept / other_text_weight if other_text_weight > 0 else 1.0
     cost = plain = 0.0
     verifies = accepted = 0
     for prompt, output in replies:
-        own, ids, cursor = NgramCache(config), prompt + output[:1], TextCursor()
-        own.insert(ids, None, cursor)
+        own, ids = OwnText(config), prompt + output[:1]
+        own.cache.insert(ids, None, own.cursor)
         t = 1
         while t < len(output):
             draft = None
-            if own.has_match(ids, 0, min_accept, cursor):
-                draft = own.draft(ids, budget - 1, min_accept, cursor)
-            elif other < 1.0 and shared.has_match(ids, 0, other):
-                draft = shared.draft(ids, budget - 1, other)
+            source = draft_source(ids, own, shared, min_accept, other_text_weight)
+            if source is not None:
+                cache, cursor, threshold = source
+                draft = cache.draft(ids, budget - 1, threshold, cursor)
             if draft is not None and draft.tokens:
                 kept = accepted_along(draft.tokens, draft.parents, output[t:])
                 cost += verify_cost(1 + len(draft.tokens))
@@ -139,7 +138,7 @@ def replay(replies: list[Reply], budget: int, min_accept: float, verify_cost: Ca
             else:
                 cost, step = cost + 1.0, 1
             ids = ids + output[t : t + step]
-            own.insert(ids, step, cursor)
+            own.cache.insert(ids, step, own.cursor)
             t += step
         shared.insert(ids)
         plain += len(output) - 1

@@ -83,6 +83,21 @@ class OwnText:
         self.cursor = TextCursor()
 
 
+def draft_source(ids: list[int], own: OwnText | None, shared: NgramCache, min_accept: float,
+                 other_text_weight: float = OTHER_TEXT_WEIGHT) -> tuple[NgramCache, TextCursor | None, float] | None:
+    """Where a request's drafts for context `ids` come from this step: (trie, its cursor if any,
+    threshold). Its own trie if that offers a node of at least `min_accept`; else the shared trie if it
+    offers one at `other_text_weight` of its estimate (the threshold divided by the weight; a weight of
+    0 never drafts from it); else None."""
+    if own is not None and own.cache.has_match(ids, 0, min_accept, own.cursor):
+        return own.cache, own.cursor, min_accept
+    if other_text_weight > 0:
+        other = min_accept / other_text_weight
+        if other < 1.0 and shared.has_match(ids, 0, other):
+            return shared, None, other
+    return None
+
+
 class NgramWorker:
     target_capture_layers: tuple[int, ...] = ()
     needs_target_hidden = False
@@ -143,19 +158,8 @@ class NgramWorker:
         contexts = [r.all_ids for r in reqs]  # one list per request (Req.all_ids builds a new one per access)
         owns = [self._catch_up(r, ids) for r, ids in zip(reqs, contexts, strict=True)]
         min_accept = self.min_accept_prob(shape)
-        return any(draft_limit(r, shape) > 0 and self._source(ids, own, min_accept) is not None
+        return any(draft_limit(r, shape) > 0 and draft_source(ids, own, self.cache, min_accept) is not None
                    for r, ids, own in zip(reqs, contexts, owns, strict=True))
-
-    def _source(self, ids: list[int], own: OwnText | None, min_accept: float
-                ) -> tuple[NgramCache, TextCursor | None, float] | None:
-        """Where this step's drafts for context `ids` come from: (trie, its cursor if any, threshold), the
-        request's own trie if it offers a node, else the shared one at the other-text bar, else None."""
-        if own is not None and own.cache.has_match(ids, 0, min_accept, own.cursor):
-            return own.cache, own.cursor, min_accept
-        other = min_accept / OTHER_TEXT_WEIGHT
-        if other < 1.0 and self.cache.has_match(ids, 0, other):
-            return self.cache, None, other
-        return None
 
     def release(self, req: Req, keep_draft_kv: bool) -> None:
         """Drop the request's own trie; its whole text waits for `idle_work` to go into the shared one."""
@@ -183,9 +187,9 @@ class NgramWorker:
     def _draft(self, req: Req, ids: list[int], own: OwnText | None, max_drafts: int, min_accept: float
                ) -> tuple[list[int], list[int]]:
         """(tokens, parents) of one request's drafts (`ids`: its all_ids, `own`: its own trie, caught up),
-        from the source `_source` picks. A constrained request asks for twice its budget and keeps the
+        from the source `draft_source` picks. A constrained request asks for twice its budget and keeps the
         drafts its grammar allows, so its nodes go to tokens that can be accepted."""
-        source = self._source(ids, own, min_accept) if max_drafts > 0 else None
+        source = draft_source(ids, own, self.cache, min_accept) if max_drafts > 0 else None
         if source is None:
             return [], []
         cache, cursor, threshold = source
