@@ -55,7 +55,7 @@ from treespec.speculative.expansion import (
 )
 from treespec.speculative.hybrid import HYBRID_MIN_MATCH, hybrid_ngram_config, merge_drafts, tree_parents
 from treespec.speculative.ngram_cache import NgramCache, TextCursor
-from treespec.speculative.ngram_worker import ngram_config
+from treespec.speculative.ngram_worker import emit_room, ngram_config
 from treespec.speculative.shapes import SpecSchedule, SpecShape
 from treespec.speculative.step_result import SpecStepResult, verify_tree_step
 from treespec.speculative.tree import DraftTree, make_draft_tree, root_only_tree, tree_from_parents
@@ -228,8 +228,9 @@ class EagleWorker:
             return True
         if self.ngram is None:
             return False
-        self._insert_text(reqs)
-        return any(self.ngram.has_match(r.all_ids, HYBRID_MIN_MATCH) for r in reqs)
+        contexts = self._insert_text(reqs)
+        return any(emit_room(r) > 0 and self.ngram.has_match(ids, HYBRID_MIN_MATCH, 0.0, self.ngram_text[r.rid])
+                   for r, ids in zip(reqs, contexts, strict=True))
 
     def catch_up(self, reqs: list[Req]) -> None:
         """Run the deferred draft extends of `reqs` in one draft forward; each still-running request gets
@@ -414,17 +415,22 @@ class EagleWorker:
             sources.append(s)
         return tree_from_parents(roots, tokens, parents, kv_lens), sources
 
-    def _insert_text(self, reqs: list[Req]) -> None:
+    def _insert_text(self, reqs: list[Req]) -> list[list[int]]:
         """Put each request's text since it last asked for drafts into the n-gram cache (its prompt, the
-        first time)."""
-        for req in reqs:
-            self.ngram.insert_rest(req.all_ids, self.ngram_text.setdefault(req.rid, TextCursor()))
+        first time); returns the texts (Req.all_ids builds a new list per access), each request's cursor
+        now standing at the end of its text."""
+        contexts = [r.all_ids for r in reqs]
+        for req, ids in zip(reqs, contexts, strict=True):
+            self.ngram.insert_rest(ids, self.ngram_text.setdefault(req.rid, TextCursor()))
+        return contexts
 
     def _ngram_drafts(self, reqs: list[Req]) -> list:
-        """The hybrid's n-gram drafts, each within its request's budget (its text inserted first)."""
-        self._insert_text(reqs)
-        budgets = [self.ngram_budget.get(r.rid, (self.hybrid_ngram_tokens, 0))[0] for r in reqs]
-        return [self.ngram.draft(r.all_ids, n) for r, n in zip(reqs, budgets, strict=True)]
+        """The hybrid's n-gram drafts, each within its request's budget and no more than it could still
+        keep (`emit_room`); its text inserted first, matched through its cursor."""
+        contexts = self._insert_text(reqs)
+        budgets = [min(self.ngram_budget.get(r.rid, (self.hybrid_ngram_tokens, 0))[0], emit_room(r)) for r in reqs]
+        return [self.ngram.draft(ids, n, 0.0, self.ngram_text[r.rid])
+                for r, ids, n in zip(reqs, contexts, budgets, strict=True)]
 
 
 def _contiguous_runs(rows: list[DeferredRow]) -> list[list[DeferredRow]]:

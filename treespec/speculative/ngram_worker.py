@@ -66,11 +66,16 @@ def ngram_config(args: ServerArgs) -> NgramConfig:
     )
 
 
+def emit_room(req: Req) -> int:
+    """Draft nodes of `req` that could still be kept: a step emits its accepted drafts and one more, and
+    max_new_tokens stops the rest."""
+    return max(0, req.sampling_params.max_new_tokens - len(req.output_ids) - 1)
+
+
 def draft_limit(req: Req, shape: SpecShape) -> int:
-    """Draft nodes worth verifying for `req` this step: the shape's budget, but no deeper than the tokens
-    it may still emit (a step emits its accepted drafts and one more; max_new_tokens stops the rest), so
-    a request's last steps verify no rows that could never be kept."""
-    return max(0, min(shape.num_draft_tokens - 1, req.sampling_params.max_new_tokens - len(req.output_ids) - 1))
+    """Draft nodes worth verifying for `req` this step: the shape's budget, but no more than `emit_room`,
+    so a request's last steps verify no rows that could never be kept."""
+    return min(shape.num_draft_tokens - 1, emit_room(req))
 
 
 class OwnText:

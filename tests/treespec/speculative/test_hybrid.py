@@ -111,3 +111,30 @@ def test_hybrid_matches_leave_room_for_long_continuations() -> None:
     assert hybrid_ngram_config(NgramConfig()).max_match_window == 6  # branch length 18 // 3
     assert hybrid_ngram_config(NgramConfig(max_match_window=4)).max_match_window == 4
     assert hybrid_ngram_config(NgramConfig(min_match_window=8, branch_length=18)).max_match_window == 8
+
+
+def test_hybrid_ngram_drafts_stop_at_the_tokens_a_request_may_still_emit(dirs) -> None:
+    """Near its end a request's n-gram nodes are no more than it could still keep (a step emits its
+    accepted drafts and one more; max_new_tokens stops the rest), and the outputs stay plain greedy."""
+    params = {**PARAMS, "max_new_tokens": 12}
+    plain = Engine(model_path=str(dirs["target"]), dtype="float32", max_total_tokens=4096)
+    expect = [o["output_ids"] for o in plain.generate(input_ids=PROMPTS, sampling_params=params)]
+    hybrid = Engine(model_path=str(dirs["target"]), dtype="float32", max_total_tokens=4096,
+                    speculative_algorithm="EAGLE3", speculative_draft_model_path=str(dirs["head"]),
+                    speculative_num_steps=2, speculative_eagle_topk=1, speculative_num_draft_tokens=3,
+                    speculative_hybrid_ngram_tokens=6)
+    worker, seen = hybrid.scheduler.spec_worker, []
+    real = worker._ngram_drafts
+
+    def recording(reqs):
+        drafts = real(reqs)
+        seen.extend((r.sampling_params.max_new_tokens - len(r.output_ids), len(d.tokens))
+                    for r, d in zip(reqs, drafts, strict=True))
+        return drafts
+
+    worker._ngram_drafts = recording
+    outs = [hybrid.generate(input_ids=p, sampling_params=params)["output_ids"] for p in PROMPTS]
+    assert outs == expect
+    assert all(drafted <= left - 1 for left, drafted in seen), seen
+    assert any(left <= 6 and drafted == left - 1 > 0 for left, drafted in seen), seen  # the cap was reached
+    hybrid.check_pool_balance()
