@@ -8,7 +8,12 @@
 Starts two servers at once: `--plain-args` (default `--speculative-algorithm NONE`) and `--spec-args`
 (default: none, the default server). Batch 1: each prompt goes to both servers one after the other,
 the order alternating prompt by prompt, so machine drift hits both alike. Concurrency c: all of a
-workload's prompts at most c in flight, plain, speculative, speculative, plain (ABBA). Tokens/s =
+workload's prompts at most c in flight, in passes ordered by `concurrent_pass_order`: plain, spec,
+spec, plain (ABBA) when plain was launched first, spec, plain, plain, spec (BAAB) when spec was, both
+(eight passes) with one launch order. A pass's place in its group of four moves its speed: over 12
+summarising c4 groups on the 2-vCPU AMD VM (2026-11-27), the last pass ran 2.5 % above its group's
+mean and the middle two 1.2-1.9 % below (the server that had rested longest ran fastest; cause
+unknown), so ABBA alone read the speculative server ~3 % low (ABBA groups 0.98x, BAAB groups 1.05x). Tokens/s =
 completion tokens / wall time of the requests (prefill included), summed per server. Greedy outputs
 must be equal: the table counts prompts whose output ids match. Accept length = tokens per verify
 step of the speculative server (meta_info), pooled; with drafts from several sources, the accepted
@@ -162,6 +167,15 @@ def save_prompts(path: str, workloads: list[str], num_prompts: int) -> int:
     return 0
 
 
+def concurrent_pass_order(launch_order: tuple[str, str], launch_orders: int) -> tuple[str, ...]:
+    """The passes of one concurrency cell, by server: each server takes the outer places of a group of
+    four (ABBA) as often as the inner ones, over the run (the launched-first server's group under each
+    launch order; both groups when there is one launch order)."""
+    first, second = launch_order
+    abba = (first, second, second, first)
+    return abba if launch_orders == 2 else abba + (second, first, first, second)
+
+
 def run_servers(args: argparse.Namespace, order: tuple[str, str], concs: list[int], saved: dict | None) -> list[dict]:
     """Launch both servers in `order`, measure every workload and mode, stop them; the rows."""
     from treespec.server.testing import popen_launch_server
@@ -195,11 +209,12 @@ def run_servers(args: argparse.Namespace, order: tuple[str, str], concs: list[in
             print_row(rows[-1])
             for conc in concs:
                 outs, secs = {"plain": [], "spec": []}, Counter()
-                for name in ("plain", "spec", "spec", "plain"):
+                passes = concurrent_pass_order(order, args.launch_orders)
+                for name in passes:
                     flush(urls)  # both: the idle one drops the work its last pass left
                     got, dt = asyncio.run(run_concurrent(urls[name], prompts, args.max_new_tokens, conc))
-                    outs[name] = got  # both runs are greedy: the same outputs
-                    secs[name] += dt / 2
+                    outs[name] = got  # every pass is greedy: the same outputs
+                    secs[name] += dt / passes.count(name)
                 rows.append(summarize(workload, f"c{conc}", outs, secs))
                 print_row(rows[-1])
     finally:

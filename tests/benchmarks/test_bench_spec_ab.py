@@ -1,4 +1,5 @@
-"""bench_spec_ab's saved prompts: built once where the workloads' data is, replayed where it is not."""
+"""bench_spec_ab: saved prompts (built once where the workloads' data is, replayed where it is not) and
+the concurrent passes' order (no server holds the faster places more often)."""
 
 from __future__ import annotations
 
@@ -21,3 +22,15 @@ def test_saved_prompts_round_trip_and_missing_workload_is_an_error(tmp_path, cap
     with pytest.raises(SystemExit):  # a workload the file lacks: a CLI error naming --prompts, no server started
         bench_spec_ab.main(["--prompts", str(path), "--workloads", "chat"])
     assert "--prompts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("launch_orders", [1, 2])
+def test_concurrent_passes_give_each_server_the_outer_places_as_often_as_the_inner(launch_orders):
+    launches = [("plain", "spec"), ("spec", "plain")][:launch_orders]
+    places = {"plain": [0, 0], "spec": [0, 0]}  # [outer, inner] places of each group of four
+    for order in launches:
+        passes = bench_spec_ab.concurrent_pass_order(order, launch_orders)
+        assert len(passes) % 4 == 0 and passes.count("plain") == passes.count("spec")
+        for i, name in enumerate(passes):
+            places[name][0 if i % 4 in (0, 3) else 1] += 1
+    assert places["plain"] == places["spec"] and places["spec"][0] == places["spec"][1]
