@@ -10,10 +10,12 @@ Starts two servers at once: `--plain-args` (default `--speculative-algorithm NON
 the order alternating prompt by prompt, so machine drift hits both alike. Concurrency c: all of a
 workload's prompts at most c in flight, in passes ordered by `concurrent_pass_order`: plain, spec,
 spec, plain (ABBA) when plain was launched first, spec, plain, plain, spec (BAAB) when spec was, both
-(eight passes) with one launch order. A pass's place in its group of four moves its speed: over 12
-summarising c4 groups on the 2-vCPU AMD VM (2026-11-27), the last pass ran 2.5 % above its group's
-mean and the middle two 1.2-1.9 % below (the server that had rested longest ran fastest; cause
-unknown), so ABBA alone read the speculative server ~3 % low (ABBA groups 0.98x, BAAB groups 1.05x). Tokens/s =
+(eight passes) with one launch order, so neither server holds the outer places more often. A pass's
+place can move its speed: over 12 summarising c4 groups on the 2-vCPU AMD VM (2026-11-27) the last pass
+ran 2.5 % (+-0.9) above its group's mean and the middle two 1.2-1.9 % below, so ABBA alone read the
+speculative server ~3 % low there (ABBA groups 0.98x, BAAB groups 1.05x); over 16 chat c16 groups
+right after, no place differed by more than 1 % (cause unknown). One group's ratio varies by +-3-5 %
+on that VM: `--groups N` repeats a cell's groups N times. Tokens/s =
 completion tokens / wall time of the requests (prefill included), summed per server. Greedy outputs
 must be equal: the table counts prompts whose output ids match. Accept length = tokens per verify
 step of the speculative server (meta_info), pooled; with drafts from several sources, the accepted
@@ -209,7 +211,7 @@ def run_servers(args: argparse.Namespace, order: tuple[str, str], concs: list[in
             print_row(rows[-1])
             for conc in concs:
                 outs, secs = {"plain": [], "spec": []}, Counter()
-                passes = concurrent_pass_order(order, args.launch_orders)
+                passes = concurrent_pass_order(order, args.launch_orders) * args.groups
                 for name in passes:
                     flush(urls)  # both: the idle one drops the work its last pass left
                     got, dt = asyncio.run(run_concurrent(urls[name], prompts, args.max_new_tokens, conc))
@@ -233,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="4,16", help="comma list; empty: batch 1 only")
     p.add_argument("--launch-orders", type=int, default=2, choices=(1, 2),
                    help="2: run everything twice, plain launched first, then speculative first (default)")
+    p.add_argument("--groups", type=int, default=1,
+                   help="groups of four concurrent passes per cell and launch order (a pass's speed varies "
+                        "+-3-5 %% here: more groups, a steadier ratio)")
     p.add_argument("--json", default="bench_spec_ab.json")
     p.add_argument("--save-prompts", default=None, metavar="FILE",
                    help="write each workload's prompt token ids to FILE (JSON) and exit, starting no server")
@@ -240,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="read the prompts from a --save-prompts FILE instead of building them (hosts without "
                         "the ShareGPT wheel, e.g. a GPU machine with no registry)")
     args = p.parse_args(argv)
+    if args.groups < 1:
+        p.error("--groups must be at least 1")
     if args.save_prompts:
         return save_prompts(args.save_prompts, args.workloads, args.num_prompts)
     saved = json.loads(Path(args.prompts).read_text()) if args.prompts else None
