@@ -34,3 +34,9 @@ def test_concurrent_passes_give_each_server_the_outer_places_as_often_as_the_inn
         for i, name in enumerate(passes):
             places[name][0 if i % 4 in (0, 3) else 1] += 1
     assert places["plain"] == places["spec"] and places["spec"][0] == places["spec"][1]
+
+
+def test_groups_below_one_is_a_cli_error_naming_the_flag(capsys):
+    with pytest.raises(SystemExit):  # no server started
+        bench_spec_ab.main(["--groups", "0"])
+    assert "--groups" in capsys.readouterr().err
