@@ -169,6 +169,10 @@ def save_prompts(path: str, workloads: list[str], num_prompts: int) -> int:
     return 0
 
 
+# the launch orders of a run, in turn (--launch-orders takes the first one or both)
+LAUNCH_ORDERS: tuple[tuple[str, str], ...] = (("plain", "spec"), ("spec", "plain"))
+
+
 def concurrent_pass_order(launch_order: tuple[str, str], launch_orders: int) -> tuple[str, ...]:
     """The passes of one concurrency cell, by server: each server takes the outer places of a group of
     four (ABBA) as often as the inner ones, over the run (the launched-first server's group under each
@@ -198,6 +202,7 @@ def run_servers(args: argparse.Namespace, order: tuple[str, str], concs: list[in
               f" ({info.get('speculative_algorithm')})\n{args.max_new_tokens} new tokens, greedy; {order[0]} launched first",
               flush=True)
         print_row.header = False
+        passes = concurrent_pass_order(order, args.launch_orders) * args.groups  # every concurrency cell's
         for url in urls.values():  # warm-up: kernels, allocator, first-request paths
             asyncio.run(run_concurrent(url, [tokenizer.encode("Hello there.")], 16, 1))
         for workload in args.workloads:
@@ -211,7 +216,6 @@ def run_servers(args: argparse.Namespace, order: tuple[str, str], concs: list[in
             print_row(rows[-1])
             for conc in concs:
                 outs, secs = {"plain": [], "spec": []}, Counter()
-                passes = concurrent_pass_order(order, args.launch_orders) * args.groups
                 for name in passes:
                     flush(urls)  # both: the idle one drops the work its last pass left
                     got, dt = asyncio.run(run_concurrent(urls[name], prompts, args.max_new_tokens, conc))
@@ -256,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--prompts {args.prompts} has no prompts for workload(s) {', '.join(missing)}")
 
     concs = [int(c) for c in args.concurrency.split(",") if c]
-    launches = [("plain", "spec"), ("spec", "plain")][: args.launch_orders]
+    launches = LAUNCH_ORDERS[: args.launch_orders]
     runs = [run_servers(args, order, concs, saved) for order in launches]
     rows = [combine(list(same)) for same in zip(*runs, strict=True)]
     if len(runs) > 1:

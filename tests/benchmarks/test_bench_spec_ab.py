@@ -26,7 +26,7 @@ def test_saved_prompts_round_trip_and_missing_workload_is_an_error(tmp_path, cap
 
 @pytest.mark.parametrize("launch_orders", [1, 2])
 def test_concurrent_passes_give_each_server_the_outer_places_as_often_as_the_inner(launch_orders):
-    launches = [("plain", "spec"), ("spec", "plain")][:launch_orders]
+    launches = bench_spec_ab.LAUNCH_ORDERS[:launch_orders]
     places = {"plain": [0, 0], "spec": [0, 0]}  # [outer, inner] places of each group of four
     for order in launches:
         passes = bench_spec_ab.concurrent_pass_order(order, launch_orders)
