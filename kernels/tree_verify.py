@@ -31,15 +31,15 @@ def allocate_verify_outputs(bs: int, n: int, max_depth: int, device: torch.devic
     return predicts, accept_index, accept_token_num
 
 
-def verify_tree_greedy_torch(
-    candidates: torch.Tensor, retrive_index: torch.Tensor, retrive_next_token: torch.Tensor,
-    retrive_next_sibling: torch.Tensor, target_predict: torch.Tensor, max_depth: int,
-) -> VerifyOutputs:
-    # A walk over host ints (the trees are small; per-node torch ops would dominate a CPU step).
-    bs, n = candidates.shape
-    tokens, rows = candidates.tolist(), retrive_index.tolist()
-    next_token, next_sibling = retrive_next_token.tolist(), retrive_next_sibling.tolist()
-    target = target_predict.tolist()
+def greedy_walk_host(
+    tokens: list[list[int]], rows: list[list[int]], next_token: list[list[int]], next_sibling: list[list[int]],
+    target: list[list[int]], max_depth: int,
+) -> tuple[list[int], list[list[int]], list[int]]:
+    """`verify_tree_greedy` on host lists (each [bs][n], as the tensors it takes): (predicts [bs*n],
+    accept_index [bs][max_depth + 1], accept_token_num [bs]) as lists. A walk over host ints: the trees
+    are small, and per-node torch ops would dominate a CPU step."""
+    bs = len(tokens)
+    n = len(tokens[0]) if bs else 0
     predicts = [0] * (bs * n)
     accept_index = [[-1] * (max_depth + 1) for _ in range(bs)]
     accept_token_num = [0] * bs
@@ -57,6 +57,17 @@ def verify_tree_greedy_torch(
             accept_token_num[b] += 1
             last = cur
         predicts[rows[b][last]] = target[b][last]
+    return predicts, accept_index, accept_token_num
+
+
+def verify_tree_greedy_torch(
+    candidates: torch.Tensor, retrive_index: torch.Tensor, retrive_next_token: torch.Tensor,
+    retrive_next_sibling: torch.Tensor, target_predict: torch.Tensor, max_depth: int,
+) -> VerifyOutputs:
+    bs, _ = candidates.shape
+    predicts, accept_index, accept_token_num = greedy_walk_host(
+        candidates.tolist(), retrive_index.tolist(), retrive_next_token.tolist(), retrive_next_sibling.tolist(),
+        target_predict.tolist(), max_depth)
     device = candidates.device
     return (torch.tensor(predicts, dtype=torch.int64, device=device),
             torch.tensor(accept_index, dtype=torch.int64, device=device).view(bs, max_depth + 1),

@@ -181,7 +181,8 @@ class EagleWorker:
                 budget, offered = self.ngram_budget.get(req.rid, (self.hybrid_ngram_tokens, 0))
                 accepted = result.sources[b][:n].count("ngram")
                 self.ngram_budget[req.rid] = (next_budget(budget, offered, accepted, self.hybrid_ngram_tokens), 0)
-        rows = torch.cat([r[:n] for r, n in zip(result.accept_rows, committed, strict=True)])
+        rows = torch.tensor([r for rows, n in zip(result.accept_rows, committed, strict=True) for r in rows[:n]],
+                            dtype=torch.int64)
         feats = self._draft_features(result.verify_output, rows.to(self.device))
         new_rows, i = [], 0
         for b, n in enumerate(committed):

@@ -123,6 +123,9 @@ class NgramWorker:
         self.min_accept_prob_flag = args.speculative_ngram_min_accept_prob  # None: each shape's own
         self.text: dict[str, OwnText] = {}  # rid -> its own trie and cursor, while it runs
         self.pending: deque[list[int]] = deque()  # released text for the shared trie (`idle_work`)
+        # this step's `draft_source` results from `wants_drafts`, by (rid, context length, threshold), so
+        # `decode_step` does not look them up again (nothing changes the tries between the two)
+        self.found_sources: dict[tuple[str, int, float], tuple[NgramCache, TextCursor | None, float] | None] = {}
         self.target = target_runner
         self.req_to_token_pool, self.allocator = req_to_token_pool, allocator
         self.device = target_runner.device
@@ -163,8 +166,14 @@ class NgramWorker:
         contexts = [r.all_ids for r in reqs]  # one list per request (Req.all_ids builds a new one per access)
         owns = [self._catch_up(r, ids) for r, ids in zip(reqs, contexts, strict=True)]
         min_accept = self.min_accept_prob(shape)
-        return any(draft_limit(r, shape) > 0 and draft_source(ids, own, self.cache, min_accept) is not None
-                   for r, ids, own in zip(reqs, contexts, owns, strict=True))
+        self.found_sources = {}
+        for r, ids, own in zip(reqs, contexts, owns, strict=True):
+            if draft_limit(r, shape) > 0:
+                source = self.found_sources[(r.rid, len(ids), min_accept)] = draft_source(ids, own, self.cache,
+                                                                                          min_accept)
+                if source is not None:
+                    return True
+        return False
 
     def release(self, req: Req, keep_draft_kv: bool) -> None:
         """Drop the request's own trie; its whole text waits for `idle_work` to go into the shared one."""
@@ -188,13 +197,18 @@ class NgramWorker:
         self.cache = NgramCache(self.config)
         self.text.clear()
         self.pending.clear()
+        self.found_sources = {}
 
     def _draft(self, req: Req, ids: list[int], own: OwnText | None, max_drafts: int, min_accept: float
                ) -> tuple[list[int], list[int]]:
         """(tokens, parents) of one request's drafts (`ids`: its all_ids, `own`: its own trie, caught up),
         from the source `draft_source` picks. A constrained request asks for twice its budget and keeps the
         drafts its grammar allows, so its nodes go to tokens that can be accepted."""
-        source = draft_source(ids, own, self.cache, min_accept) if max_drafts > 0 else None
+        if max_drafts <= 0:
+            return [], []
+        key = (req.rid, len(ids), min_accept)
+        source = (self.found_sources[key] if key in self.found_sources
+                  else draft_source(ids, own, self.cache, min_accept))
         if source is None:
             return [], []
         cache, cursor, threshold = source
@@ -217,6 +231,7 @@ class NgramWorker:
         min_accept = self.min_accept_prob(shape)
         drafts = [self._draft(r, ids, own, draft_limit(r, shape), min_accept)
                   for r, ids, own in zip(reqs, contexts, owns, strict=True)]
+        self.found_sources = {}
         tree = tree_from_parents(roots, [d[0] for d in drafts], [d[1] for d in drafts], kv_lens)
         return verify_tree_step(reqs, tree, kv_lens, prefix_slots, self.target, self.allocator,
                                 self.target_capture_layers, return_all_hidden=False, node_sources="ngram")

@@ -32,7 +32,7 @@ class SpecStepResult:
     logprobs: list[list[tuple[float, list]] | None]
     # for the draft extend: each request's kv_len before the step, its accepted verify rows, the output
     kv_lens: list[int]
-    accept_rows: list[torch.Tensor]
+    accept_rows: list[list[int]]  # verify rows, root first (host ints: only EagleWorker makes a tensor of them)
     verify_output: ModelOutput
     # per request and token, where it came from: a draft source ("eagle", "ngram") or "target" (the bonus)
     sources: list[list[str]]
@@ -80,15 +80,13 @@ def verify_tree_step(
     positions = tree.positions.clamp(max=target.context_len - 1)
     vbatch = verify_batch(tree, prefix_slots, verify_slots, positions, capture_layers, device)
     out = target.forward(vbatch, return_all_hidden=return_all_hidden)
-    predicts, accept_index, accept_length = verify_tree_mixed(reqs, out.logits, tree)
-    row_lists, kept_slots, rejected = split_accepted(accept_index, accept_length, verify_slots)
+    predicted, row_lists = verify_tree_mixed(reqs, out.logits, tree)
+    kept_slots, rejected = split_accepted(row_lists, verify_slots)
     allocator.free(rejected)
-    predicted = predicts.tolist()
     tokens = [[predicted[r] for r in rows] for rows in row_lists]
-    accept_rows = [torch.tensor(rows, dtype=torch.int64) for rows in row_lists]
     logprobs = [
-        token_logprobs(req, out.logits[rows.to(device)], toks) if req.return_logprob else None
-        for req, rows, toks in zip(reqs, accept_rows, tokens, strict=True)
+        token_logprobs(req, out.logits[torch.tensor(rows, device=device)], toks) if req.return_logprob else None
+        for req, rows, toks in zip(reqs, row_lists, tokens, strict=True)
     ]
     n = tree.num_nodes
     sources = []
@@ -96,4 +94,4 @@ def verify_tree_step(
         per_node = [node_sources] * n if isinstance(node_sources, str) else ["root", *node_sources[b]]
         # the accepted drafts' nodes (rows are b * n + node), then the bonus token
         sources.append([per_node[r - b * n] for r in rows[1:]] + ["target"])
-    return SpecStepResult(tokens, kept_slots, logprobs, kv_lens, accept_rows, out, sources)
+    return SpecStepResult(tokens, kept_slots, logprobs, kv_lens, row_lists, out, sources)

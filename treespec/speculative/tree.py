@@ -23,6 +23,9 @@ class DraftTree:
     retrive_next_token: torch.Tensor  # int64 [bs, n]
     retrive_next_sibling: torch.Tensor  # int64 [bs, n]
     max_depth: int
+    # the same links as host lists [bs][n] (candidates, next_token, next_sibling) where the tree was built on
+    # the host (tree_from_parents): a CPU greedy verify walks them without reading the tensors back
+    host_links: tuple[list[list[int]], list[list[int]], list[list[int]]] | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -104,9 +107,10 @@ def tree_from_parents(root_tokens: torch.Tensor, draft_tokens: list[list[int]], 
         max_depth = max(max_depth, *depth)
     device = root_tokens.device
     links = torch.tensor([candidates, next_token, next_sibling], dtype=torch.int64).view(3, bs, n).to(device)
+    host_links = tuple([flat[b * n : (b + 1) * n] for b in range(bs)] for flat in (candidates, next_token, next_sibling))
     return DraftTree(links[0], torch.tensor(positions, dtype=torch.int64).to(device),
                      torch.tensor(ancestors, dtype=torch.bool).view(bs, n, n).to(device),
-                     torch.arange(bs * n, device=device).view(bs, n), links[1], links[2], max_depth)
+                     torch.arange(bs * n, device=device).view(bs, n), links[1], links[2], max_depth, host_links)
 
 
 def verify_batch(
@@ -130,17 +134,14 @@ def verify_batch(
     )
 
 
-def split_accepted(accept_index: torch.Tensor, accept_length: torch.Tensor, verify_slots: torch.Tensor
-                   ) -> tuple[list[list[int]], list[torch.Tensor], torch.Tensor]:
-    """Split a verified batch's slots: per request the accepted verify rows (root first, as host ints)
-    and their KV slots (page size 1, so accepted nodes keep the slots they were verified in), and every
-    other slot. accept_index [bs, D+1] (-1 padded), accept_length [bs], verify_slots [bs, n]. Worked out
-    on host lists, one tensor per result: per-request tensor ops cost ~3x more here."""
-    index, lengths = accept_index.tolist(), accept_length.tolist()
+def split_accepted(rows: list[list[int]], verify_slots: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Split a verified batch's slots: per request the KV slots of its accepted verify rows `rows` (root
+    first; page size 1, so accepted nodes keep the slots they were verified in), and every other slot.
+    verify_slots [bs, n]. Worked out on host lists, one tensor per result: per-request tensor ops cost
+    ~3x more here."""
     slots = verify_slots.reshape(-1).tolist()
-    rows = [index[b][: length + 1] for b, length in enumerate(lengths)]
     accepted = {r for request_rows in rows for r in request_rows}
     device = verify_slots.device
     kept = [torch.tensor([slots[r] for r in request_rows], dtype=torch.int64).to(device) for request_rows in rows]
     rejected = torch.tensor([slot for r, slot in enumerate(slots) if r not in accepted], dtype=torch.int64)
-    return rows, kept, rejected.to(device)
+    return kept, rejected.to(device)

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import torch
 
 from treespec.constrained import apply_tree_grammar_masks
-from treespec.kernels import tree_speculative_sampling_target_only, verify_tree_greedy
+from treespec.kernels import greedy_walk_host, tree_speculative_sampling_target_only, verify_tree_greedy
 from treespec.request import Req
 from treespec.sampling import (
     apply_sampling_filters,
@@ -73,18 +73,27 @@ def tree_processed_logits(reqs: list[Req], logits: torch.Tensor, tree: DraftTree
     return processed
 
 
-def verify_tree_mixed(reqs: list[Req], logits: torch.Tensor, tree: DraftTree
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (predicts [bs*n], accept_index [bs, D+1], accept_length [bs]) as the kernels define them.
-    Runs where the logits are (the kernels dispatch to Triton on CUDA); only the per-request coins are
-    drawn on the host, from each request's own generator."""
+def verify_tree_mixed(reqs: list[Req], logits: torch.Tensor, tree: DraftTree) -> tuple[list[int], list[list[int]]]:
+    """Returns (predicts [bs*n]: the token emitted after each verify row, as the kernels define it;
+    per request its accepted verify rows, root first), as host lists. Runs where the logits are (the
+    kernels dispatch to Triton on CUDA); only the per-request coins are drawn on the host, from each
+    request's own generator. An all-greedy batch whose tree was built on the host, on a CPU, walks the
+    tree's host links (no tensor round trips: ~0.1 ms of a CPU verify step)."""
     bs, n = tree.candidates.shape
     device = logits.device
     logits = tree_processed_logits(reqs, logits.float(), tree)
     args = (tree.candidates, tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling)
     greedy_flags = [r.sampling_params.greedy for r in reqs]
     if all(greedy_flags):
-        return verify_tree_greedy(*args, greedy_tokens(logits).view(bs, n), tree.max_depth)
+        target = greedy_tokens(logits)
+        if tree.host_links is not None and device.type == "cpu":
+            flat = target.tolist()
+            tokens, next_token, next_sibling = tree.host_links
+            rows = [list(range(b * n, (b + 1) * n)) for b in range(bs)]  # tree_from_parents: row = b * n + node
+            predicts, accept_index, accepted = greedy_walk_host(
+                tokens, rows, next_token, next_sibling, [flat[b * n : (b + 1) * n] for b in range(bs)], tree.max_depth)
+            return predicts, [accept_index[b][: accepted[b] + 1] for b in range(bs)]
+        return _host_result(*verify_tree_greedy(*args, target.view(bs, n), tree.max_depth))
     sampled = [r for r, greedy in zip(reqs, greedy_flags, strict=True) if not greedy]
     greedy_rows = torch.tensor(greedy_flags, device=device).repeat_interleave(n)
     rows = ~greedy_rows
@@ -102,8 +111,15 @@ def verify_tree_mixed(reqs: list[Req], logits: torch.Tensor, tree: DraftTree
             count = reachable_extent(tree, b) if req.sampling_params.seeded else n
             draw = torch.rand(count + 1, generator=req.generator)
             coins[b, :count], final_coins[b] = draw[:count], draw[count]
-    return tree_speculative_sampling_target_only(*args, coins.to(device), final_coins.to(device), probs,
-                                                 tree.max_depth)
+    return _host_result(*tree_speculative_sampling_target_only(*args, coins.to(device), final_coins.to(device),
+                                                               probs, tree.max_depth))
+
+
+def _host_result(predicts: torch.Tensor, accept_index: torch.Tensor, accept_length: torch.Tensor
+                 ) -> tuple[list[int], list[list[int]]]:
+    """The kernels' outputs as verify_tree_mixed returns them: predicts and each request's accepted rows."""
+    index, lengths = accept_index.tolist(), accept_length.tolist()
+    return predicts.tolist(), [index[b][: length + 1] for b, length in enumerate(lengths)]
 
 
 def reachable_extent(tree: DraftTree, b: int) -> int:

@@ -60,3 +60,37 @@ def test_greedy_tokens_is_argmax_on_ties_nan_and_inf():
     g = torch.Generator().manual_seed(0)
     ties = torch.randint(0, 3, (64, 4099), generator=g).float()
     assert torch.equal(greedy_tokens(ties), ties.argmax(-1))
+
+
+def test_greedy_walk_over_the_host_links_accepts_what_the_kernel_accepts():
+    """An NGRAM tree (tree_from_parents) carries its links as host lists, and a CPU greedy verify walks
+    them; the result must equal the kernel's walk over the tensors (the same tree without host links),
+    over random trees whose logits favour a random node's token at every row."""
+    import dataclasses
+
+    from treespec.kernels import tree_parent_nodes
+    from treespec.speculative.tree import tree_from_parents
+    from treespec.speculative.verify import verify_tree_mixed
+
+    gen = torch.Generator().manual_seed(1)
+    deep = 0
+    for steps, topk, nodes in [(3, 1, 4), (4, 3, 10), (6, 4, 16)]:
+        for _ in range(8):
+            reqs = [make_req(f"r{b}", temperature=0.0) for b in range(3)]
+            parent_list, top_index, drafts = random_draft_tree(len(reqs), steps, topk, nodes, VOCAB, generator=gen)
+            parents = tree_parent_nodes(parent_list, top_index, topk)[:, 1:].tolist()
+            roots = torch.tensor([r.output_ids[-1] for r in reqs])
+            tree = tree_from_parents(roots, drafts.tolist(), parents, [r.seq_len - 1 for r in reqs])
+            assert tree.host_links is not None
+            logits = torch.randn(len(reqs) * nodes, VOCAB, generator=gen)
+            # every row prefers one of its tree's tokens, so paths of several nodes get accepted
+            favoured = tree.candidates.view(-1)[torch.randint(0, len(reqs) * nodes, (len(reqs) * nodes,), generator=gen)]
+            logits[torch.arange(len(reqs) * nodes), favoured] += 5.0
+            rows_at = [torch.arange(b * nodes, (b + 1) * nodes) for b in range(len(reqs))]
+            for b in range(len(reqs)):  # and some rows prefer their first child's token: deep paths
+                logits[rows_at[b][0], tree.candidates[b, 1]] += 10.0
+            host = verify_tree_mixed(reqs, logits, tree)
+            kernel = verify_tree_mixed(reqs, logits, dataclasses.replace(tree, host_links=None))
+            assert host == kernel
+            deep += sum(len(rows) > 2 for rows in host[1])
+    assert deep > 0  # some paths accepted two drafts or more
