@@ -44,3 +44,30 @@ def test_step_cost_parts_per_engine(tmp_path, monkeypatch) -> None:
     assert {"target TARGET_VERIFY", "draft DRAFT_DECODE", "draft DRAFT_EXTEND", "acceptance",
             "n-gram drafts + merge", "plain-or-speculate check"} <= set(spec)
     assert results["spec"]["decode_steps"] < results["spec"]["tokens"]  # drafts accepted: fewer steps
+
+
+def test_a_cycle_collector_pass_is_its_own_part_and_not_the_interrupted_ones() -> None:
+    """A gc pass inside a timed part is recorded as the gc part and taken out of that part's own time:
+    the two add up to no more than the wall time (counted in both, they would exceed it)."""
+    import gc
+    import time
+
+    bench = load_benchmark("bench_step_cost")
+    timer = bench.Timer()
+    timer.active = "spec"
+
+    def allocating_part() -> None:
+        gc.collect()  # a pass inside the part, as an allocation that trips the threshold starts one
+        time.sleep(0.002)
+
+    start = time.perf_counter()
+    gc.callbacks.append(timer.gc_callback)
+    try:
+        timer.wrap("part", allocating_part)()
+    finally:
+        gc.callbacks.remove(timer.gc_callback)
+    wall = time.perf_counter() - start
+    totals = timer.totals["spec"]
+    assert timer.calls["spec"][bench.GC_PART] >= 1 and totals[bench.GC_PART] > 0
+    assert totals["part"] >= 0.0018  # the sleep stays with the part
+    assert totals["part"] + totals[bench.GC_PART] <= wall
