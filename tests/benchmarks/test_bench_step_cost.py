@@ -71,3 +71,29 @@ def test_a_cycle_collector_pass_is_its_own_part_and_not_the_interrupted_ones() -
     assert timer.calls["spec"][bench.GC_PART] >= 1 and totals[bench.GC_PART] > 0
     assert totals["part"] >= 0.0018  # the sleep stays with the part
     assert totals["part"] + totals[bench.GC_PART] <= wall
+
+
+def test_ngram_idle_inserts_are_their_own_part_and_out_of_tok_s(tmp_path, monkeypatch) -> None:
+    """NGRAM's insert of a finished request's text runs in Engine.generate before it returns (a server runs
+    it between requests): the harness times it as its own part and leaves it out of tok/s."""
+    bench = load_benchmark("bench_step_cost")
+    monkeypatch.setattr(sched_mod, "sample_next_tokens", sched_mod.sample_next_tokens)
+    for name in ("draft_topk", "select_top_k_tokens", "organize_draft_results", "make_draft_tree"):
+        monkeypatch.setattr(eagle_worker, name, getattr(eagle_worker, name))
+    for name in ("verify_tree_mixed", "verify_batch"):
+        monkeypatch.setattr(step_result, name, getattr(step_result, name))
+    from treespec.speculative import ngram_worker
+
+    monkeypatch.setattr(ngram_worker, "tree_from_parents", ngram_worker.tree_from_parents)
+    target = lookup_target(tmp_path / "target", Lookup(seed=0), noise=0.07)
+    common = {"model_path": str(target), "dtype": "float32", "max_total_tokens": 2048}
+    prompts = [[5, 17, 99, 3, 42, 42, 7, 130] * 2, [200, 11, 64, 9, 77, 3]]
+    timer = bench.Timer()
+    bench.instrument_modules(timer)
+    engines = {"plain": bench.load({**common, "speculative_algorithm": "NONE"}, prompts[0], timer),
+               "spec": bench.load({**common, "speculative_algorithm": "NGRAM"}, prompts[0], timer)}
+    results = bench.measure(engines, timer, prompts, max_new=24)
+    spec = results["spec"]
+    assert spec["calls"][bench.IDLE_PART] >= len(prompts) and spec["idle_s"] > 0
+    assert bench.IDLE_PART not in results["plain"]["calls"]
+    assert abs(spec["tok_s"] - spec["tokens"] / (spec["wall_s"] - spec["idle_s"])) < 1e-9
