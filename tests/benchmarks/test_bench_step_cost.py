@@ -13,17 +13,22 @@ from bench_loader import load_benchmark  # noqa: E402
 from eagle_test_models import Lookup, lookup_eagle3_head, lookup_target  # noqa: E402
 
 from treespec import scheduler as sched_mod  # noqa: E402
-from treespec.speculative import eagle_worker, step_result  # noqa: E402
+from treespec.speculative import eagle_worker, ngram_worker, step_result  # noqa: E402
 
 
-def test_step_cost_parts_per_engine(tmp_path, monkeypatch) -> None:
-    bench = load_benchmark("bench_step_cost")
-    # instrument_modules rebinds module functions: registered here so the test puts them back
+def restore_module_functions(monkeypatch) -> None:
+    """instrument_modules rebinds module functions: registered here so the test puts them back."""
     monkeypatch.setattr(sched_mod, "sample_next_tokens", sched_mod.sample_next_tokens)
     for name in ("draft_topk", "select_top_k_tokens", "organize_draft_results", "make_draft_tree"):
         monkeypatch.setattr(eagle_worker, name, getattr(eagle_worker, name))
     for name in ("verify_tree_mixed", "verify_batch"):
         monkeypatch.setattr(step_result, name, getattr(step_result, name))
+    monkeypatch.setattr(ngram_worker, "tree_from_parents", ngram_worker.tree_from_parents)
+
+
+def test_step_cost_parts_per_engine(tmp_path, monkeypatch) -> None:
+    bench = load_benchmark("bench_step_cost")
+    restore_module_functions(monkeypatch)
     lookup = Lookup(seed=0)
     target = lookup_target(tmp_path / "target", lookup, noise=0.07)
     head = lookup_eagle3_head(tmp_path / "head", lookup)
@@ -77,14 +82,7 @@ def test_ngram_idle_inserts_are_their_own_part_and_out_of_tok_s(tmp_path, monkey
     """NGRAM's insert of a finished request's text runs in Engine.generate before it returns (a server runs
     it between requests): the harness times it as its own part and leaves it out of tok/s."""
     bench = load_benchmark("bench_step_cost")
-    monkeypatch.setattr(sched_mod, "sample_next_tokens", sched_mod.sample_next_tokens)
-    for name in ("draft_topk", "select_top_k_tokens", "organize_draft_results", "make_draft_tree"):
-        monkeypatch.setattr(eagle_worker, name, getattr(eagle_worker, name))
-    for name in ("verify_tree_mixed", "verify_batch"):
-        monkeypatch.setattr(step_result, name, getattr(step_result, name))
-    from treespec.speculative import ngram_worker
-
-    monkeypatch.setattr(ngram_worker, "tree_from_parents", ngram_worker.tree_from_parents)
+    restore_module_functions(monkeypatch)
     target = lookup_target(tmp_path / "target", Lookup(seed=0), noise=0.07)
     common = {"model_path": str(target), "dtype": "float32", "max_total_tokens": 2048}
     prompts = [[5, 17, 99, 3, 42, 42, 7, 130] * 2, [200, 11, 64, 9, 77, 3]]
