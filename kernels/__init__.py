@@ -2,8 +2,9 @@
 
 Every kernel has one contract (see each module's docstring), a torch implementation (`*_torch`, the CPU
 path and the reference; build_tree and greedy verify walk host ints there, cheaper than torch ops on
-a step's few nodes; `greedy_walk_host` is that walk on lists, for callers that hold the tree as lists) and a Triton implementation (`*_triton`, CUDA; also runs on CPU tensors under
-`TRITON_INTERPRET=1`, which must be set before `triton` is first imported). The plain names dispatch:
+a step's few nodes; `greedy_walk_host` is that walk for callers that hold the tree as host lists) and
+a Triton implementation (`*_triton`, CUDA; also runs on CPU tensors under `TRITON_INTERPRET=1`, which
+must be set before `triton` is first imported). The plain names dispatch:
 Triton when the tensors are on CUDA, torch otherwise. `python -m treespec.kernels.compile_check` lowers
 every kernel to a CUDA cubin without a GPU.
 """

@@ -107,7 +107,10 @@ def tree_from_parents(root_tokens: torch.Tensor, draft_tokens: list[list[int]], 
         max_depth = max(max_depth, *depth)
     device = root_tokens.device
     links = torch.tensor([candidates, next_token, next_sibling], dtype=torch.int64).view(3, bs, n).to(device)
-    host_links = tuple([flat[b * n : (b + 1) * n] for b in range(bs)] for flat in (candidates, next_token, next_sibling))
+    def per_request(flat: list[int]) -> list[list[int]]:
+        return [flat[b * n : (b + 1) * n] for b in range(bs)]
+
+    host_links = (per_request(candidates), per_request(next_token), per_request(next_sibling))
     return DraftTree(links[0], torch.tensor(positions, dtype=torch.int64).to(device),
                      torch.tensor(ancestors, dtype=torch.bool).view(bs, n, n).to(device),
                      torch.arange(bs * n, device=device).view(bs, n), links[1], links[2], max_depth, host_links)

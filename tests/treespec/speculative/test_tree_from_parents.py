@@ -26,6 +26,9 @@ def test_same_tree_as_the_eagle_builder_from_its_parent_links(bs, steps, topk, n
     for field in ("candidates", "positions", "ancestors", "retrive_index", "retrive_next_token",
                   "retrive_next_sibling"):
         assert torch.equal(getattr(tree, field), getattr(eagle, field)), field
+    # the host copy of the links a CPU greedy verify walks
+    assert tree.host_links == (tree.candidates.tolist(), tree.retrive_next_token.tolist(),
+                               tree.retrive_next_sibling.tolist())
     depths = tree.positions.view(bs, nodes) - torch.tensor(kv_lens).view(bs, 1)
     assert tree.max_depth == int(depths.max()) <= eagle.max_depth
 
