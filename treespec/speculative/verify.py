@@ -92,7 +92,7 @@ def verify_tree_mixed(reqs: list[Req], logits: torch.Tensor, tree: DraftTree) ->
             rows = [list(range(b * n, (b + 1) * n)) for b in range(bs)]  # tree_from_parents: row = b * n + node
             predicts, accept_index, accepted = greedy_walk_host(
                 tokens, rows, next_token, next_sibling, [flat[b * n : (b + 1) * n] for b in range(bs)], tree.max_depth)
-            return predicts, [accept_index[b][: accepted[b] + 1] for b in range(bs)]
+            return predicts, _accepted_rows(accept_index, accepted)
         return _host_result(*verify_tree_greedy(*args, target.view(bs, n), tree.max_depth))
     sampled = [r for r, greedy in zip(reqs, greedy_flags, strict=True) if not greedy]
     greedy_rows = torch.tensor(greedy_flags, device=device).repeat_interleave(n)
@@ -118,8 +118,12 @@ def verify_tree_mixed(reqs: list[Req], logits: torch.Tensor, tree: DraftTree) ->
 def _host_result(predicts: torch.Tensor, accept_index: torch.Tensor, accept_length: torch.Tensor
                  ) -> tuple[list[int], list[list[int]]]:
     """The kernels' outputs as verify_tree_mixed returns them: predicts and each request's accepted rows."""
-    index, lengths = accept_index.tolist(), accept_length.tolist()
-    return predicts.tolist(), [index[b][: length + 1] for b, length in enumerate(lengths)]
+    return predicts.tolist(), _accepted_rows(accept_index.tolist(), accept_length.tolist())
+
+
+def _accepted_rows(accept_index: list[list[int]], accepted: list[int]) -> list[list[int]]:
+    """Each request's accepted verify rows, root first: its accept_index row cut after its accepted drafts."""
+    return [index[: length + 1] for index, length in zip(accept_index, accepted, strict=True)]
 
 
 def reachable_extent(tree: DraftTree, b: int) -> int:

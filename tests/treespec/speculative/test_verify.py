@@ -86,9 +86,8 @@ def test_greedy_walk_over_the_host_links_accepts_what_the_kernel_accepts():
             # every row prefers one of its tree's tokens, so paths of several nodes get accepted
             favoured = tree.candidates.view(-1)[torch.randint(0, len(reqs) * nodes, (len(reqs) * nodes,), generator=gen)]
             logits[torch.arange(len(reqs) * nodes), favoured] += 5.0
-            rows_at = [torch.arange(b * nodes, (b + 1) * nodes) for b in range(len(reqs))]
-            for b in range(len(reqs)):  # and some rows prefer their first child's token: deep paths
-                logits[rows_at[b][0], tree.candidates[b, 1]] += 10.0
+            for b in range(len(reqs)):  # and each root row its first child's token: deep paths
+                logits[b * nodes, tree.candidates[b, 1]] += 10.0
             host = verify_tree_mixed(reqs, logits, tree)
             kernel = verify_tree_mixed(reqs, logits, dataclasses.replace(tree, host_links=None))
             assert host == kernel
