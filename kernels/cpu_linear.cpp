@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -537,6 +538,19 @@ torch::Tensor linear_quant_int8(torch::Tensor x, torch::Tensor packed, c10::opti
   return out;
 }
 
+// linear_quant_int8's quantization of x's rows alone: (q int8 [rows, K] in the codes' k order for
+// `bits`-bit codes, d and s fp32 [rows, K / 32]), for tests to check it against IEEE fp32 arithmetic
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_int8(torch::Tensor x, int64_t bits) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32 && x.size(1) % kQuantBlock == 0,
+              "quantize_int8: x must be contiguous fp32 [M, K] with K a multiple of ", kQuantBlock);
+  TORCH_CHECK(bits == 4 || bits == 8, "quantize_int8: bits must be 4 or 8");
+  const int64_t rows = x.size(0), k_dim = x.size(1), blocks = k_dim / kQuantBlock;
+  auto q = torch::empty({rows, k_dim}, x.options().dtype(torch::kInt8));
+  auto d = torch::empty({rows, blocks}, x.options()), s = torch::empty({rows, blocks}, x.options());
+  quantize_rows(x.data_ptr<float>(), rows, k_dim, bits, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>());
+  return {q, d, s};
+}
+
 #ifndef TREESPEC_NO_MODULE  // compiled into cpu_layers.cpp's extension without its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "fp32/bf16 [N, K] weight -> [ceil(N/16), K, 16] panels");
@@ -545,6 +559,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_quant", &linear_quant, "fp32 x [M, K] @ (scale * code + min)^T (+ bias) -> [M, N]");
   m.def("cpu_has_avx512", &cpu_has_avx512, "whether linear_quant's AVX-512 code runs on this CPU");
   m.def("linear_quant_int8", &linear_quant_int8, "fp32 x, quantized to int8 per 32 k, @ block-quant weights^T");
+  m.def("quantize_int8", &quantize_int8, "linear_quant_int8's int8 rows (q, d, s) of fp32 x for `bits`-bit codes");
   m.def("cpu_has_avx512_vnni", &cpu_has_avx512_vnni, "whether linear_quant_int8's AVX-512 code runs on this CPU");
 }
 #endif

@@ -98,6 +98,31 @@ def test_int8_quantization_edge_cases():
     torch.testing.assert_close(got[1:], fp32[1:], rtol=0.02, atol=0.02 * float(fp32[1:].abs().max()))
 
 
+def test_int8_quantization_is_ieee_fp32_arithmetic_bit_for_bit():
+    """q, d and s are the documented fp32 operations exactly (d = max|x| / 127, 1 / d, round half to even,
+    s = d * sum q), with the 4-bit codes' k order: the three-pass kernel must not move a bit (a tolerance
+    on the matmul's result would not see one rounding flip)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 320, generator=gen) * torch.rand(7, 320, generator=gen).pow(8) * 50
+    x[0, :32] = 0.0  # a block of zeros: d = 0, q = 0
+    x[1, 32:64] = 1e-40  # denormals
+    x[2, 64] = 3e38  # near fp32's max
+    x[3, 96:128] = torch.linspace(-2.5, 2.5, 32)  # halfway points after scaling
+    blocks = x.view(7, 10, 32)
+    d = blocks.abs().amax(-1) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv[..., None]).clamp(-127, 127)
+    s = d * q.sum(-1)
+    nibble_order = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])
+    for bits, order in ((8, torch.arange(8)), (4, nibble_order)):
+        got_q, got_d, got_s = cpu_linear.load().quantize_int8(x, bits)
+        assert torch.equal(got_d, d) and torch.equal(got_s, s)
+        want_q = q.view(7, 10, 4, 8)[..., order].reshape(7, 320).to(torch.int8)
+        assert torch.equal(got_q, want_q), f"{bits}-bit order"
+    with pytest.raises(RuntimeError, match="quantize_int8"):
+        cpu_linear.load().quantize_int8(torch.randn(2, 40), 4)
+
+
 def test_int8_kernel_rejects_mismatched_inputs():
     quant = random_block_quant(32, 64, seed=1, max_code=15)
     packed = cpu_linear.load().pack_quant(quant.codes, quant.scales, quant.mins)
