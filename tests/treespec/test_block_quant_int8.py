@@ -105,9 +105,9 @@ def test_int8_quantization_is_ieee_fp32_arithmetic_bit_for_bit():
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(7, 320, generator=gen) * torch.rand(7, 320, generator=gen).pow(8) * 50
     x[0, :32] = 0.0  # a block of zeros: d = 0, q = 0
-    x[1, 32:64] = 1e-40  # denormals
+    x[1, 32:64] = 1e-40  # denormals: d denormal, 1 / d overflows to inf, q = 127
     x[2, 64] = 3e38  # near fp32's max
-    x[3, 96:128] = torch.linspace(-2.5, 2.5, 32)  # halfway points after scaling
+    x[3, 96:128] = torch.linspace(-2.5, 2.5, 32)  # a ramp: q from -127 to 127
     blocks = x.view(7, 10, 32)
     d = blocks.abs().amax(-1) / 127.0
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
