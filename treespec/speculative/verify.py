@@ -87,11 +87,10 @@ def verify_tree_mixed(reqs: list[Req], logits: torch.Tensor, tree: DraftTree) ->
     if all(greedy_flags):
         target = greedy_tokens(logits)
         if tree.host_links is not None and device.type == "cpu":
-            flat = target.tolist()
             tokens, next_token, next_sibling = tree.host_links
             rows = [list(range(b * n, (b + 1) * n)) for b in range(bs)]  # tree_from_parents: row = b * n + node
             predicts, accept_index, accepted = greedy_walk_host(
-                tokens, rows, next_token, next_sibling, [flat[b * n : (b + 1) * n] for b in range(bs)], tree.max_depth)
+                tokens, rows, next_token, next_sibling, target.view(bs, n).tolist(), tree.max_depth)
             return predicts, _accepted_rows(accept_index, accepted)
         return _host_result(*verify_tree_greedy(*args, target.view(bs, n), tree.max_depth))
     sampled = [r for r, greedy in zip(reqs, greedy_flags, strict=True) if not greedy]
