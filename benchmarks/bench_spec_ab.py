@@ -210,10 +210,11 @@ def run_servers(args: argparse.Namespace, order: tuple[str, str], concs: list[in
                 prompts = saved[workload][: args.num_prompts]
             else:
                 prompts = workload_prompts(workload, tokenizer, args.num_prompts)
-            flush(urls)
-            outs, secs = asyncio.run(run_batch1(urls, prompts, args.max_new_tokens))
-            rows.append(summarize(workload, "bs1", outs, secs))
-            print_row(rows[-1])
+            if not args.no_batch1:
+                flush(urls)
+                outs, secs = asyncio.run(run_batch1(urls, prompts, args.max_new_tokens))
+                rows.append(summarize(workload, "bs1", outs, secs))
+                print_row(rows[-1])
             for conc in concs:
                 outs, secs = {"plain": [], "spec": []}, Counter()
                 for name in passes:
@@ -237,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=12, help="per workload")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--concurrency", default="4,16", help="comma list; empty: batch 1 only")
+    p.add_argument("--no-batch1", action="store_true", help="only the concurrency cells (tuning a load schedule)")
     p.add_argument("--launch-orders", type=int, default=2, choices=(1, 2),
                    help="2: run everything twice, plain launched first, then speculative first (default)")
     p.add_argument("--groups", type=int, default=1,

@@ -74,8 +74,9 @@ def verify_tree_step(
     """Verify `tree` with one target forward over fresh slots, keep the accepted nodes' slots for the
     Scheduler and free the rest. `node_sources`: the drafts' source, or per request each draft node's
     (node i + 1 = entry i)."""
-    bs, device = len(reqs), target.device
-    verify_slots = allocator.alloc(bs * tree.num_nodes).view(bs, tree.num_nodes)
+    device = target.device
+    node_rows = tree.verify_rows()  # [b][node] -> verify row (padding nodes are not verified)
+    verify_slots = allocator.alloc(sum(map(len, node_rows)))
     # nodes past the context length are never emitted (max_new_tokens stops first); clamp for RoPE
     positions = tree.positions.clamp(max=target.context_len - 1)
     vbatch = verify_batch(tree, prefix_slots, verify_slots, positions, capture_layers, device)
@@ -88,10 +89,10 @@ def verify_tree_step(
         token_logprobs(req, out.logits[torch.tensor(rows, device=device)], toks) if req.return_logprob else None
         for req, rows, toks in zip(reqs, row_lists, tokens, strict=True)
     ]
-    n = tree.num_nodes
     sources = []
     for b, rows in enumerate(row_lists):
-        per_node = [node_sources] * n if isinstance(node_sources, str) else ["root", *node_sources[b]]
-        # the accepted drafts' nodes (rows are b * n + node), then the bonus token
-        sources.append([per_node[r - b * n] for r in rows[1:]] + ["target"])
+        per_node = (["root", *[node_sources] * (len(node_rows[b]) - 1)] if isinstance(node_sources, str)
+                    else ["root", *node_sources[b]])
+        # the accepted drafts' nodes (row node_rows[b][0] + node), then the bonus token
+        sources.append([per_node[r - node_rows[b][0]] for r in rows[1:]] + ["target"])
     return SpecStepResult(tokens, kept_slots, logprobs, kv_lens, row_lists, out, sources)

@@ -26,10 +26,37 @@ class DraftTree:
     # the same links as host lists [bs][n] (candidates, next_token, next_sibling) where the tree was built on
     # the host (tree_from_parents): a CPU greedy verify walks them without reading the tensors back
     host_links: tuple[list[list[int]], list[list[int]], list[list[int]]] | None = None
+    # nodes of each request that are its tree (root + drafts; tree_from_parents): the rest of its n is
+    # padding, left out of the verify forward. None: every node of every request is verified
+    sizes: list[int] | None = None
 
     @property
     def num_nodes(self) -> int:
         return int(self.candidates.shape[1])
+
+    @property
+    def ragged(self) -> bool:
+        """Whether the verify forward leaves padding out: its rows are then each request's own nodes,
+        request after request (`verify_rows`), not b * n + node."""
+        return self.sizes is not None and any(s != self.num_nodes for s in self.sizes)
+
+    def verify_rows(self) -> list[list[int]]:
+        """Per request, the verify-forward row of each of its verified nodes (node t of request b is
+        row verify_rows()[b][t])."""
+        bs, n = self.candidates.shape
+        if not self.ragged:
+            return [list(range(b * n, (b + 1) * n)) for b in range(bs)]
+        rows, start = [], 0
+        for size in self.sizes:
+            rows.append(list(range(start, start + size)))
+            start += size
+        return rows
+
+    def padded_rows(self) -> list[int]:
+        """Per padded node (b * n + t), its verify-forward row; padding nodes get their request's root
+        row (they are never linked in, so what they read is never used)."""
+        n = self.num_nodes
+        return [rows[t] if t < len(rows) else rows[0] for rows in self.verify_rows() for t in range(n)]
 
 
 def make_draft_tree(
@@ -66,8 +93,9 @@ def tree_from_parents(root_tokens: torch.Tensor, draft_tokens: list[list[int]], 
     node 0 is the root; draft i of request b is node i + 1 with parent node parents[b][i] (0 = the root,
     else an earlier node); next_token = the smallest child, next_sibling = the next larger node with the
     same parent. Requests with fewer drafts than the largest are padded with orphans (the root's token,
-    no parent, linked nowhere, depth 0) that are verified but never accepted. Siblings must carry
-    distinct tokens (tree sampling tries each token once). Built on the host: trees are small."""
+    no parent, linked nowhere, depth 0) that are never accepted and not verified (`DraftTree.sizes`: at
+    batch 4 one request's 7 drafts would otherwise add 21 padding rows to the forward). Siblings must
+    carry distinct tokens (tree sampling tries each token once). Built on the host: trees are small."""
     bs = len(kv_lens)
     n = 1 + max((len(t) for t in draft_tokens), default=0)
     roots = root_tokens.tolist()
@@ -113,34 +141,44 @@ def tree_from_parents(root_tokens: torch.Tensor, draft_tokens: list[list[int]], 
     host_links = (per_request(candidates), per_request(next_token), per_request(next_sibling))
     return DraftTree(links[0], torch.tensor(positions, dtype=torch.int64).to(device),
                      torch.tensor(ancestors, dtype=torch.bool).view(bs, n, n).to(device),
-                     torch.arange(bs * n, device=device).view(bs, n), links[1], links[2], max_depth, host_links)
+                     torch.arange(bs * n, device=device).view(bs, n), links[1], links[2], max_depth, host_links,
+                     [1 + len(t) for t in draft_tokens])
 
 
 def verify_batch(
     tree: DraftTree, prefix_slots: list[torch.Tensor], verify_slots: torch.Tensor,
     positions: torch.Tensor, capture_layers: tuple[int, ...], device: torch.device,
 ) -> ForwardBatch:
-    """TARGET_VERIFY over bs*n nodes: node t of request b sees the prefix, its ancestors and itself.
-    verify_slots [bs, n]: where each node's target KV is written."""
+    """TARGET_VERIFY over the tree's verified nodes (`DraftTree.verify_rows`): node t of request b sees
+    the prefix, its ancestors and itself. verify_slots: where each verified node's target KV is written,
+    one per row; positions [bs * n] as the tree's."""
     bs, n = tree.candidates.shape
-    kv_lists, masks = [], []
-    for b in range(bs):
+    sizes = tree.sizes if tree.ragged else [n] * bs
+    slots = verify_slots.reshape(-1)
+    kv_lists, masks, start = [], [], 0
+    for b, size in enumerate(sizes):
         prefix = prefix_slots[b]
-        kv_lists.append(torch.cat([prefix, verify_slots[b].to(prefix)]))
-        sees_prefix = torch.ones(n, prefix.numel(), dtype=torch.bool, device=tree.ancestors.device)
-        masks.append(torch.cat([sees_prefix, tree.ancestors[b]], dim=1))
+        kv_lists.append(torch.cat([prefix, slots[start : start + size].to(prefix)]))
+        sees_prefix = torch.ones(size, prefix.numel(), dtype=torch.bool, device=tree.ancestors.device)
+        masks.append(torch.cat([sees_prefix, tree.ancestors[b, :size, :size]], dim=1))
+        start += size
+    input_ids, positions = tree.candidates.reshape(-1), positions.reshape(-1)
+    if tree.ragged:
+        real = torch.tensor([b * n + t for b, size in enumerate(sizes) for t in range(size)], dtype=torch.int64)
+        input_ids, positions = input_ids[real.to(input_ids.device)], positions[real.to(positions.device)]
     return ForwardBatch(
-        mode=ForwardMode.TARGET_VERIFY, input_ids=tree.candidates.reshape(-1).to(device),
-        positions=positions.to(device), out_cache_loc=verify_slots.reshape(-1).to(device),
-        attn=build_metadata([n] * bs, kv_lists, masks, device=device), logits_indices=None,
+        mode=ForwardMode.TARGET_VERIFY, input_ids=input_ids.to(device),
+        positions=positions.to(device), out_cache_loc=slots.to(device),
+        attn=build_metadata(sizes, kv_lists, masks, device=device), logits_indices=None,
         capture_layers=capture_layers,
     )
+
 
 
 def split_accepted(rows: list[list[int]], verify_slots: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Split a verified batch's slots: per request the KV slots of its accepted verify rows `rows` (root
     first; page size 1, so accepted nodes keep the slots they were verified in), and every other slot.
-    verify_slots [bs, n]. Worked out on host lists, one tensor per result: per-request tensor ops cost
+    verify_slots: one per verify row. Worked out on host lists, one tensor per result: per-request tensor ops cost
     ~3x more here."""
     slots = verify_slots.reshape(-1).tolist()
     accepted = {r for request_rows in rows for r in request_rows}

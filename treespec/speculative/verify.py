@@ -11,6 +11,7 @@ in one mixed batch by giving greedy rows a one-hot distribution.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import torch
@@ -78,19 +79,28 @@ def verify_tree_mixed(reqs: list[Req], logits: torch.Tensor, tree: DraftTree) ->
     per request its accepted verify rows, root first), as host lists. Runs where the logits are (the
     kernels dispatch to Triton on CUDA); only the per-request coins are drawn on the host, from each
     request's own generator. An all-greedy batch whose tree was built on the host, on a CPU, walks the
-    tree's host links (no tensor round trips: ~0.1 ms of a CPU verify step)."""
+    tree's host links (no tensor round trips: ~0.1 ms of a CPU verify step).
+
+    `logits` has one row per verified node (`DraftTree.verify_rows`); the rows returned are those rows.
+    Where the tree's padding was not verified (`DraftTree.ragged`), the walk above reads its rows as they
+    are, and every other path runs on the padded layout (`_verify_padded`)."""
     bs, n = tree.candidates.shape
     device = logits.device
+    greedy_flags = [r.sampling_params.greedy for r in reqs]
+    host_walk = all(greedy_flags) and tree.host_links is not None and device.type == "cpu"
+    if tree.ragged and not (host_walk and not _processes_rows(reqs)):
+        return _verify_padded(reqs, logits, tree)
     logits = tree_processed_logits(reqs, logits.float(), tree)
     args = (tree.candidates, tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling)
-    greedy_flags = [r.sampling_params.greedy for r in reqs]
     if all(greedy_flags):
         target = greedy_tokens(logits)
-        if tree.host_links is not None and device.type == "cpu":
+        if host_walk:
             tokens, next_token, next_sibling = tree.host_links
-            rows = [list(range(b * n, (b + 1) * n)) for b in range(bs)]  # tree_from_parents: row = b * n + node
+            rows = tree.verify_rows()
+            flat = target.tolist()
             predicts, accept_index, accepted = greedy_walk_host(
-                tokens, rows, next_token, next_sibling, target.view(bs, n).tolist(), tree.max_depth)
+                tokens, rows, next_token, next_sibling, [[flat[r] for r in node_rows] for node_rows in rows],
+                tree.max_depth)
             return predicts, _accepted_rows(accept_index, accepted)
         return _host_result(*verify_tree_greedy(*args, target.view(bs, n), tree.max_depth))
     sampled = [r for r, greedy in zip(reqs, greedy_flags, strict=True) if not greedy]
@@ -112,6 +122,27 @@ def verify_tree_mixed(reqs: list[Req], logits: torch.Tensor, tree: DraftTree) ->
             coins[b, :count], final_coins[b] = draw[:count], draw[count]
     return _host_result(*tree_speculative_sampling_target_only(*args, coins.to(device), final_coins.to(device),
                                                                probs, tree.max_depth))
+
+
+def _processes_rows(reqs: list[Req]) -> bool:
+    """Whether tree_processed_logits changes any row of this batch (penalties, min_new_tokens, grammar)."""
+    return any(r.grammar is not None or r.sampling_params.has_penalties
+               or len(r.output_ids) < r.sampling_params.min_new_tokens for r in reqs)
+
+
+def _verify_padded(reqs: list[Req], logits: torch.Tensor, tree: DraftTree) -> tuple[list[int], list[list[int]]]:
+    """verify_tree_mixed for a ragged tree on the padded layout the kernels, the penalties and the grammar
+    masks index (row b * n + node; a padding row reads its request's root row and is never linked in),
+    its results mapped back to verify rows."""
+    padded = tree.padded_rows()
+    predicts, rows = verify_tree_mixed(reqs, logits[torch.tensor(padded, device=logits.device)],
+                                       dataclasses.replace(tree, sizes=None))
+    n = tree.num_nodes
+    real = {b * n + t: row for b, node_rows in enumerate(tree.verify_rows()) for t, row in enumerate(node_rows)}
+    compact = [0] * len(real)
+    for padded_row, row in real.items():
+        compact[row] = predicts[padded_row]
+    return compact, [[real[r] for r in request_rows] for request_rows in rows]
 
 
 def _host_result(predicts: torch.Tensor, accept_index: torch.Tensor, accept_length: torch.Tensor

@@ -12,6 +12,7 @@ from eagle_test_models import Lookup, lookup_target, random_target
 
 from treespec.engine import Engine
 from treespec.sampling_params import SamplingParams
+from treespec.speculative import ngram_worker
 from treespec.speculative.ngram_cache import NgramCache
 
 
@@ -101,12 +102,24 @@ def test_greedy_ngram_matches_plain_decoding(model_dirs, references, kind, draft
                         speculative_ngram_min_accept_prob=min_accept)
     assert engine.server_args.speculative_num_draft_tokens == (draft_tokens or 4)
     drafts = record_drafts(engine)
+    ragged = []  # per batch-4 verify: whether requests' trees differed in size (padding left out of the forward)
+    real_tree = ngram_worker.tree_from_parents
+
+    def recording_tree(*args):
+        tree = real_tree(*args)
+        ragged.append(tree.ragged)
+        return tree
+
     for batch_size in (1, 4):
-        assert run_all(engine, batch_size) == references[kind], f"batch size {batch_size}"
+        ragged.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(ngram_worker, "tree_from_parents", recording_tree)
+            assert run_all(engine, batch_size) == references[kind], f"batch size {batch_size}"
     stats = engine.get_stats()
     proposed = sum(len(d) for d in drafts)
     accepted = stats["spec_emitted_tokens"] - stats["spec_verify_ct"]
     assert proposed > 0 and stats["spec_shrunk_steps"] == 0
+    assert any(ragged), "no batch-4 step verified trees of different sizes"
     if kind == "lookup":  # drafts are accepted: the test has power
         assert stats["avg_spec_accept_length"] > 1.5, stats["avg_spec_accept_length"]
     elif min_match == 1 and min_accept is None:  # drafts proposed and mostly rejected (longer matches: fewer, better)
@@ -288,13 +301,16 @@ def default_model_worker(kind: str):
 
 
 @pytest.mark.parametrize(("kind", "nodes", "min_accept", "max_speculating_batch"),
-                         [("cpu", 12, 0.3, 1), ("cpu_avx2", 8, 0.5, 1), ("cuda", 8, 0.0, 4)])
+                         [("cpu", (12, 8), (0.3, 0.4), 4), ("cpu_avx2", (8, 8), (0.5, 0.5), 1),
+                          ("cuda", (8, 8), (0.0, 0.0), 4)])
 def test_worker_takes_the_shipped_schedule_for_its_device(kind, nodes, min_accept, max_speculating_batch) -> None:
     """The default model's tuned file holds a CPU, a CPU-with-AVX2-kernels and a CUDA schedule; the worker
-    picks by its runner's schedule kind (no CUDA needed: the worker only asks it when it is built)."""
+    picks by its runner's schedule kind (no CUDA needed: the worker only asks it when it is built).
+    nodes and min_accept: at batch 1 and at the largest batch that speculates."""
     worker = default_model_worker(kind)
-    assert worker.schedule.shape_for(max_speculating_batch).num_draft_tokens == nodes
-    assert worker.min_accept_prob(worker.schedule.shape_for(1)) == min_accept
+    for batch, want_nodes, want_accept in zip((1, max_speculating_batch), nodes, min_accept, strict=True):
+        shape = worker.schedule.shape_for(batch)
+        assert (shape.num_draft_tokens, worker.min_accept_prob(shape)) == (want_nodes, want_accept)
     assert worker.schedule.shape_for(max_speculating_batch + 1).num_steps == 0
 
 

@@ -53,6 +53,32 @@ def test_smaller_trees_are_padded_with_nodes_that_are_never_accepted():
     assert accept_index.tolist() == [[0, 1, 2], [4, 6, 7], [8, -1, -1]]
 
 
+def test_padding_is_left_out_of_the_verify_forward():
+    """The verify batch of a ragged tree holds each request's own nodes only: at batch 4 one request's
+    7 drafts would otherwise add 21 padding rows (each a full row of matmuls, attention and lm_head)."""
+    from treespec.speculative.tree import verify_batch
+
+    roots = torch.tensor([5, 6, 7])
+    tree = tree_from_parents(roots, [[1, 2], [3, 4, 8], []], [[0, 1], [0, 0, 2], []], [10, 20, 30])
+    assert tree.ragged and tree.sizes == [3, 4, 1]
+    assert tree.verify_rows() == [[0, 1, 2], [3, 4, 5, 6], [7]]
+    assert tree.padded_rows() == [0, 1, 2, 0, 3, 4, 5, 6, 7, 7, 7, 7]
+    prefix = [torch.arange(100, 100 + k) for k in (10, 20, 30)]
+    slots = torch.arange(500, 508)
+    batch = verify_batch(tree, prefix, slots, tree.positions, (), torch.device("cpu"))
+    assert batch.input_ids.tolist() == [5, 1, 2, 6, 3, 4, 8, 7]
+    assert batch.positions.tolist() == [10, 11, 12, 20, 21, 21, 22, 30]
+    assert batch.out_cache_loc.tolist() == slots.tolist()
+    assert batch.attn.qo_indptr.tolist() == [0, 3, 7, 8]
+    assert batch.attn.kv_indptr.tolist() == [0, 13, 37, 68]
+    assert batch.attn.kv_indices[10:13].tolist() == [500, 501, 502]  # request 0's nodes after its prefix
+    mask = batch.attn.unpacked_mask()
+    request1 = mask[3 * 13 : 3 * 13 + 4 * 24].view(4, 24)  # [its 4 nodes, 20 prefix + 4 node columns]
+    assert request1[:, :20].all() and request1[:, 20:].tolist() == tree.ancestors[1].tolist()
+    even = tree_from_parents(roots, [[1], [3], [4]], [[0], [0], [0]], [10, 20, 30])
+    assert not even.ragged and even.verify_rows() == [[0, 1], [2, 3], [4, 5]]
+
+
 def test_no_drafts_anywhere_is_the_root_alone():
     tree = tree_from_parents(torch.tensor([3, 4]), [[], []], [[], []], [7, 9])
     assert tree.num_nodes == 1 and tree.max_depth == 0 and tree.positions.tolist() == [7, 9]

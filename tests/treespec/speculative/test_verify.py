@@ -93,3 +93,50 @@ def test_greedy_walk_over_the_host_links_accepts_what_the_kernel_accepts():
             assert host == kernel
             deep += sum(len(rows) > 2 for rows in host[1])
     assert deep > 0  # some paths accepted two drafts or more
+
+
+def test_a_ragged_tree_verifies_its_own_nodes_as_the_padded_tree_does():
+    """Requests with fewer drafts than the batch's largest tree are not padded in the verify forward
+    (`DraftTree.sizes`): the logits hold one row per real node, request after request. Greedy (the host
+    walk), penalised (the padded fallback) and sampled requests must accept what the padded tree accepts
+    with the same rows' logits (padding rows filled with noise: they are never read), rows renumbered."""
+    import dataclasses
+
+    from treespec.kernels import tree_parent_nodes
+    from treespec.speculative.tree import tree_from_parents
+    from treespec.speculative.verify import verify_tree_mixed
+
+    gen = torch.Generator().manual_seed(2)
+    steps, topk, nodes = 4, 3, 10
+    cases = [dict(temperature=0.0), dict(temperature=0.0, frequency_penalty=0.7),
+             dict(temperature=0.8, seed=5), dict(temperature=0.0, min_new_tokens=9)]
+    ragged_seen = deep = 0
+    for params in cases:
+        for _ in range(6):
+            reqs = [make_req(f"r{b}", **params) for b in range(4)]
+            parent_list, top_index, drafts = random_draft_tree(len(reqs), steps, topk, nodes, VOCAB, generator=gen)
+            parents = tree_parent_nodes(parent_list, top_index, topk)[:, 1:].tolist()
+            # each request keeps its first k drafts (parents come first, so a prefix is a tree); one keeps none
+            keep = [int(k) for k in torch.randint(0, nodes, (len(reqs),), generator=gen)]
+            keep[0] = 0
+            roots = torch.tensor([r.output_ids[-1] for r in reqs])
+            tree = tree_from_parents(roots, [d[:k] for d, k in zip(drafts.tolist(), keep, strict=True)],
+                                     [p[:k] for p, k in zip(parents, keep, strict=True)],
+                                     [r.seq_len - 1 for r in reqs])
+            n = tree.num_nodes
+            ragged_seen += tree.ragged
+            rows = tree.verify_rows()
+            assert [len(r) for r in rows] == [1 + k for k in keep]
+            padded = torch.randn(len(reqs) * n, VOCAB, generator=gen)
+            for b in range(len(reqs)):  # favour each node's first child: deep paths
+                for t in range(n - 1):
+                    padded[b * n + t, tree.candidates[b, t + 1]] += 4.0
+            compact = padded[torch.tensor([b * n + t for b, r in enumerate(rows) for t in range(len(r))])]
+            want_reqs, got_reqs = copy.deepcopy(reqs), copy.deepcopy(reqs)  # the same random streams
+            want_predicts, want_rows = verify_tree_mixed(want_reqs, padded, dataclasses.replace(tree, sizes=None))
+            got_predicts, got_rows = verify_tree_mixed(got_reqs, compact, tree)
+            assert got_rows == [[rows[b][r - b * n] for r in request_rows] for b, request_rows in enumerate(want_rows)]
+            for b, request_rows in enumerate(want_rows):
+                assert [got_predicts[rows[b][r - b * n]] for r in request_rows] == [want_predicts[r] for r in request_rows]
+            deep += sum(len(r) > 2 for r in got_rows)
+    assert ragged_seen > 0 and deep > 0
