@@ -91,8 +91,7 @@ def verify_tree_step(
     ]
     sources = []
     for b, rows in enumerate(row_lists):
-        per_node = (["root", *[node_sources] * (len(node_rows[b]) - 1)] if isinstance(node_sources, str)
-                    else ["root", *node_sources[b]])
+        per_node = [node_sources] * len(node_rows[b]) if isinstance(node_sources, str) else ["root", *node_sources[b]]
         # the accepted drafts' nodes (row node_rows[b][0] + node), then the bonus token
         sources.append([per_node[r - node_rows[b][0]] for r in rows[1:]] + ["target"])
     return SpecStepResult(tokens, kept_slots, logprobs, kv_lens, row_lists, out, sources)

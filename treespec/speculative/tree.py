@@ -174,12 +174,11 @@ def verify_batch(
     )
 
 
-
 def split_accepted(rows: list[list[int]], verify_slots: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Split a verified batch's slots: per request the KV slots of its accepted verify rows `rows` (root
     first; page size 1, so accepted nodes keep the slots they were verified in), and every other slot.
-    verify_slots: one per verify row. Worked out on host lists, one tensor per result: per-request tensor ops cost
-    ~3x more here."""
+    verify_slots: one per verify row. Worked out on host lists, one tensor per result: per-request
+    tensor ops cost ~3x more here."""
     slots = verify_slots.reshape(-1).tolist()
     accepted = {r for request_rows in rows for r in request_rows}
     device = verify_slots.device
