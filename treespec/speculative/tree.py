@@ -152,24 +152,23 @@ def verify_batch(
     """TARGET_VERIFY over the tree's verified nodes (`DraftTree.verify_rows`): node t of request b sees
     the prefix, its ancestors and itself. verify_slots: where each verified node's target KV is written,
     one per row; positions [bs * n] as the tree's."""
-    bs, n = tree.candidates.shape
-    sizes = tree.sizes if tree.ragged else [n] * bs
+    n = tree.num_nodes
+    rows = tree.verify_rows()
     slots = verify_slots.reshape(-1)
-    kv_lists, masks, start = [], [], 0
-    for b, size in enumerate(sizes):
-        prefix = prefix_slots[b]
-        kv_lists.append(torch.cat([prefix, slots[start : start + size].to(prefix)]))
+    kv_lists, masks = [], []
+    for b, node_rows in enumerate(rows):
+        prefix, size = prefix_slots[b], len(node_rows)
+        kv_lists.append(torch.cat([prefix, slots[node_rows[0] : node_rows[0] + size].to(prefix)]))
         sees_prefix = torch.ones(size, prefix.numel(), dtype=torch.bool, device=tree.ancestors.device)
         masks.append(torch.cat([sees_prefix, tree.ancestors[b, :size, :size]], dim=1))
-        start += size
     input_ids, positions = tree.candidates.reshape(-1), positions.reshape(-1)
-    if tree.ragged:
-        real = torch.tensor([b * n + t for b, size in enumerate(sizes) for t in range(size)], dtype=torch.int64)
+    if tree.ragged:  # the real nodes' padded indices, b * n + node
+        real = torch.tensor([b * n + t for b, node_rows in enumerate(rows) for t in range(len(node_rows))])
         input_ids, positions = input_ids[real.to(input_ids.device)], positions[real.to(positions.device)]
     return ForwardBatch(
         mode=ForwardMode.TARGET_VERIFY, input_ids=input_ids.to(device),
         positions=positions.to(device), out_cache_loc=slots.to(device),
-        attn=build_metadata(sizes, kv_lists, masks, device=device), logits_indices=None,
+        attn=build_metadata([len(r) for r in rows], kv_lists, masks, device=device), logits_indices=None,
         capture_layers=capture_layers,
     )
 
