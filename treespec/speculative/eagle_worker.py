@@ -54,7 +54,7 @@ from treespec.speculative.expansion import (
     select_top_k_tokens,
 )
 from treespec.speculative.hybrid import HYBRID_MIN_MATCH, hybrid_ngram_config, merge_drafts, tree_parents
-from treespec.speculative.ngram_cache import NgramCache, TextCursor
+from treespec.speculative.ngram_cache import TextCursor, new_ngram_cache
 from treespec.speculative.ngram_worker import emit_room, ngram_config
 from treespec.speculative.shapes import SpecSchedule, SpecShape
 from treespec.speculative.step_result import SpecStepResult, verify_tree_step
@@ -111,7 +111,7 @@ class EagleWorker:
         self.parked: dict[int, DeferredRow] = {}
         # the hybrid's n-gram cache (speculative/hybrid.py): every request's prompt and committed tokens
         self.hybrid_ngram_tokens = args.speculative_hybrid_ngram_tokens
-        self.ngram = NgramCache(hybrid_ngram_config(ngram_config(args))) if self.hybrid_ngram_tokens else None
+        self.ngram = new_ngram_cache(hybrid_ngram_config(ngram_config(args))) if self.hybrid_ngram_tokens else None
         # rid -> (n-gram node budget, n-gram nodes in this step's tree): per-request adaptivity
         self.ngram_budget: dict[str, tuple[int, int]] = {}
         # rid -> where its text stands in the n-gram cache (TextCursor: tokens inserted, suffix nodes).
@@ -337,7 +337,7 @@ class EagleWorker:
         """`/flush_cache` with no request in flight: forget past requests' text (the n-gram corpus) and
         the parked draft rows, whose KV slots the radix cache reset just freed."""
         if self.ngram is not None:
-            self.ngram = NgramCache(self.ngram.config)
+            self.ngram = new_ngram_cache(self.ngram.config)
         self.ngram_text.clear()  # cursors into the old cache
         self.parked.clear()
 

@@ -42,7 +42,7 @@ from treespec.mem.allocator import TokenToKVPoolAllocator
 from treespec.mem.req_to_token import ReqToTokenPool
 from treespec.model_runner import ModelRunner
 from treespec.request import Req
-from treespec.speculative.ngram_cache import NgramCache, NgramConfig, TextCursor
+from treespec.speculative.ngram_cache import NgramCache, NgramConfig, TextCursor, new_ngram_cache
 from treespec.speculative.shapes import SpecSchedule, SpecShape
 from treespec.speculative.step_result import SpecStepResult, verify_tree_step
 from treespec.speculative.tree import tree_from_parents
@@ -84,7 +84,7 @@ class OwnText:
     __slots__ = ("cache", "cursor")
 
     def __init__(self, config: NgramConfig) -> None:
-        self.cache = NgramCache(config)
+        self.cache = new_ngram_cache(config)
         self.cursor = TextCursor()
 
 
@@ -119,7 +119,7 @@ class NgramWorker:
         self.schedule = SpecSchedule.from_flags(args.speculative_config, ndraft - 1, 1, ndraft,
                                                 target_runner.schedule_kind())
         self.config = ngram_config(args)
-        self.cache = NgramCache(self.config)  # past requests' text, shared (--speculative-ngram-capacity)
+        self.cache = new_ngram_cache(self.config)  # past requests' text, shared (--speculative-ngram-capacity)
         self.min_accept_prob_flag = args.speculative_ngram_min_accept_prob  # None: each shape's own
         self.text: dict[str, OwnText] = {}  # rid -> its own trie and cursor, while it runs
         self.pending: deque[list[int]] = deque()  # released text for the shared trie (`idle_work`)
@@ -194,7 +194,7 @@ class NgramWorker:
 
     def flush(self) -> None:
         """Forget every request's text (`/flush_cache`, with no request in flight)."""
-        self.cache = NgramCache(self.config)
+        self.cache = new_ngram_cache(self.config)
         self.text.clear()
         self.pending.clear()
         self.found_sources = {}

@@ -301,7 +301,7 @@ def default_model_worker(kind: str):
 
 
 @pytest.mark.parametrize(("kind", "nodes", "min_accept", "max_speculating_batch"),
-                         [("cpu", (12, 8), (0.3, 0.4), 4), ("cpu_avx2", (8, 8), (0.5, 0.5), 4),
+                         [("cpu", (12, 8), (0.3, 0.7), 16), ("cpu_avx2", (8, 8), (0.5, 0.5), 4),
                           ("cuda", (8, 8), (0.0, 0.0), 4)])
 def test_worker_takes_the_shipped_schedule_for_its_device(kind, nodes, min_accept, max_speculating_batch) -> None:
     """The default model's tuned file holds a CPU, a CPU-with-AVX2-kernels and a CUDA schedule; the worker
