@@ -1,5 +1,5 @@
-"""Compiling our C++ CPU kernels (`cpu_linear.cpp`, `cpu_norm.cpp`, `cpu_attention.cpp`) with torch's
-extension builder.
+"""Compiling our C++ CPU kernels (`cpu_linear.cpp`, `cpu_norm.cpp`, `cpu_attention.cpp`, `cpu_layers.cpp`)
+and the n-gram trie (`ngram_trie.cpp`) with torch's extension builder.
 
 Each source is compiled once per machine (ninja + the system C++ compiler, ~30 s) into torch's
 extension cache, then checked against torch on a small probe. `build` returns None, with a logged

@@ -1,4 +1,4 @@
-"""NgramCache: a bounded trie of the n-grams seen in requests' text, shared by all requests, from which
+"""The n-gram cache: a bounded trie of the n-grams seen in requests' text, shared by all requests, from which
 the NGRAM worker drafts (training-free speculation: no draft model).
 
 Storage. Every path from the root is an n-gram of at most `branch_length` tokens that occurred in
@@ -28,6 +28,11 @@ match length, from `max_bfs_breadth` at `min_match_window` (a short match says l
 the drafts so far is matched again, so a draft can run past `branch_length`. Drafts steer only what is
 verified: the target decides every emitted token, so one request's text can change another's drafts
 but never its output.
+
+Two implementations of one trie. `NativeNgramCache` (kernels/ngram_trie.cpp) is what the workers take
+(`new_ngram_cache`) wherever the C++ kernels build; `PyNgramCache` is the reference it reproduces step
+for step (the same node ids, counts, recency order, evictions and drafts: a test replays random
+operations on both) and the fallback elsewhere. Both take the same `TextCursor`.
 """
 
 from __future__ import annotations
