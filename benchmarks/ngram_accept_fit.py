@@ -31,6 +31,7 @@ from pathlib import Path
 
 from treespec.speculative.ngram_cache import (
     NgramConfig,
+    PyNgramCache,
     TextCursor,
     continuation_accept_prob,
     new_ngram_cache,
@@ -85,7 +86,8 @@ def fit_table(workloads: list[list[Reply]], max_width: int = 12) -> dict[int, tu
     weight: dict[int, float] = {}
     hits: dict[int, float] = {}
     for replies in workloads:
-        cache = new_ngram_cache(NgramConfig(min_match_window=1, max_match_window=max_width))
+        # the Python trie: the fit reads a node's children and counts (the C++ one drafts the same)
+        cache = PyNgramCache(NgramConfig(min_match_window=1, max_match_window=max_width))
         for prompt, output in replies:
             ids, cursor = prompt + output[:1], TextCursor()
             cache.insert(ids, None, cursor)

@@ -1,5 +1,5 @@
 """The NGRAM draft source's trie in C++ (`ngram_trie.cpp`): `NgramTrie`, the same trie, step for step,
-as treespec/speculative/ngram_cache.PyNgramCache, ~20-50x cheaper a token inserted.
+as treespec/speculative/ngram_cache.PyNgramCache, ~20x cheaper a prompt token inserted.
 
 Compiled once per machine by `cpu_extension.build` (pybind11 only, no torch code); `load()` returns
 None, with a logged reason, where it cannot run (no compiler, no AVX2 machine), and the worker then
