@@ -27,12 +27,6 @@ namespace {
 
 constexpr int32_t kRoot = 0;
 constexpr int32_t kNone = -1;
-constexpr double kMissAtOne = 0.55;  // ngram_cache.MISS_AT_ONE
-constexpr double kMissDecay = 0.8;   // ngram_cache.MISS_DECAY
-
-double continuation_accept_prob(int64_t width) {
-  return 1.0 - kMissAtOne * std::pow(kMissDecay, static_cast<double>(std::max<int64_t>(0, width - 1)));
-}
 
 double share(int64_t count, int64_t total, int64_t siblings) {
   return total ? static_cast<double>(count) / static_cast<double>(total) : 1.0 / static_cast<double>(siblings);
@@ -67,10 +61,11 @@ struct Candidate {  // a draft-tree candidate, ordered as the Python heap orders
 
 class NgramTrie {
  public:
+  // miss_at_one, miss_decay: ngram_cache.continuation_accept_prob's constants (one source: Python's)
   NgramTrie(int64_t min_match_window, int64_t max_match_window, int64_t min_bfs_breadth, int64_t max_bfs_breadth,
-            int64_t branch_length, int64_t capacity)
+            int64_t branch_length, int64_t capacity, double miss_at_one, double miss_decay)
       : min_w_(min_match_window), max_w_(max_match_window), min_b_(min_bfs_breadth), max_b_(max_bfs_breadth),
-        branch_(branch_length), capacity_(capacity) {
+        branch_(branch_length), capacity_(capacity), miss_at_one_(miss_at_one), miss_decay_(miss_decay) {
     push_node(-1, kNone, 0);  // the root: never in the recency list, never evicted
   }
 
@@ -194,6 +189,7 @@ class NgramTrie {
 
  private:
   int64_t min_w_, max_w_, min_b_, max_b_, branch_, capacity_;
+  double miss_at_one_, miss_decay_;
   std::vector<int64_t> token_, count_, tick_, serial_;
   std::vector<int32_t> parent_;  // -1: free (and the root)
   std::vector<int32_t> first_child_, last_child_, next_sib_, prev_sib_, num_children_;
@@ -203,6 +199,11 @@ class NgramTrie {
   std::unordered_map<uint64_t, int32_t> edges_;  // (parent, token) -> child
   std::vector<int32_t> free_;
   int64_t clock_ = 0, created_ = 0;
+
+  // ngram_cache.continuation_accept_prob: pow as Python's float ** int (both call the C library's pow)
+  double continuation_accept_prob(int64_t width) const {
+    return 1.0 - miss_at_one_ * std::pow(miss_decay_, static_cast<double>(std::max<int64_t>(0, width - 1)));
+  }
 
   static uint64_t edge(int32_t node, int64_t token) {
     return (static_cast<uint64_t>(static_cast<uint32_t>(node)) << 32) | static_cast<uint32_t>(token);
@@ -414,7 +415,7 @@ class NgramTrie {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<NgramTrie>(m, "NgramTrie")
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>())
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, double>())
       .def(py::init<const NgramTrie&>())
       .def("size", &NgramTrie::size)
       .def("insert", &NgramTrie::insert)

@@ -18,7 +18,7 @@ SOURCE = Path(__file__).with_name("ngram_trie.cpp")
 EXTENSION_NAME = "treespec_ngram_trie"
 
 
-class _Cursor:
+class _Cursor:  # the probe's stand-in for treespec's TextCursor (kernels import nothing from treespec)
     __slots__ = ("length", "suffixes", "serials")
 
     def __init__(self) -> None:
@@ -26,7 +26,7 @@ class _Cursor:
 
 
 def _probe(module: ModuleType) -> None:
-    trie = module.NgramTrie(1, 12, 1, 10, 18, 1000)
+    trie = module.NgramTrie(1, 12, 1, 10, 18, 1000, 0.55, 0.8)
     cursor = _Cursor()
     trie.insert([1, 2, 3, 1, 2], 0, 5, 0, cursor)
     # n-grams of [1, 2, 3, 1, 2]: 5 from the first token, 4, 3, then none new

@@ -43,6 +43,8 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from treespec.kernels import ngram_trie
+
 
 @dataclass(frozen=True)
 class NgramConfig:
@@ -360,12 +362,10 @@ class NativeNgramCache:
     start, a match's last `max_match_window`."""
 
     def __init__(self, config: NgramConfig, trie=None) -> None:
-        from treespec.kernels import ngram_trie
-
         self.config = config
         self._trie = trie if trie is not None else ngram_trie.load().NgramTrie(
             config.min_match_window, config.max_match_window, config.min_bfs_breadth, config.max_bfs_breadth,
-            config.branch_length, config.capacity)
+            config.branch_length, config.capacity, MISS_AT_ONE, MISS_DECAY)
 
     def __len__(self) -> int:
         return self._trie.size()
@@ -416,12 +416,6 @@ class NativeNgramCache:
 NgramCache = PyNgramCache | NativeNgramCache
 
 
-def native_trie_available() -> bool:
-    from treespec.kernels import ngram_trie
-
-    return ngram_trie.load() is not None
-
-
 def new_ngram_cache(config: NgramConfig) -> NgramCache:
     """The C++ trie where it builds on this machine, else the Python one (the same drafts either way)."""
-    return NativeNgramCache(config) if native_trie_available() else PyNgramCache(config)
+    return NativeNgramCache(config) if ngram_trie.load() is not None else PyNgramCache(config)
