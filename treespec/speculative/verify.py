@@ -30,6 +30,17 @@ from treespec.sampling import (
 from treespec.speculative.tree import DraftTree
 
 
+def _stops_blocked(req: Req) -> bool:
+    """min_new_tokens still masks this request's stop tokens at its next output token."""
+    return len(req.output_ids) < req.sampling_params.min_new_tokens
+
+
+def _processes_rows(reqs: list[Req]) -> bool:
+    """Whether tree_processed_logits changes any row of this batch: the conditions its three steps test
+    (min_new_tokens, penalties, a grammar), from the same predicates."""
+    return any(_stops_blocked(r) or r.sampling_params.has_penalties or r.grammar is not None for r in reqs)
+
+
 def tree_penalized_logits(reqs: list[Req], logits: torch.Tensor, tree: DraftTree, min_new_tokens: bool = True
                           ) -> torch.Tensor:
     """Penalties per node row: counts = the request's output counts + the draft tokens on the path
@@ -37,7 +48,7 @@ def tree_penalized_logits(reqs: list[Req], logits: torch.Tensor, tree: DraftTree
     a node at depth d picks output token len(output_ids) + d + 1, so its stop tokens are masked while
     len(output_ids) + d < min_new_tokens, as plain sampling masks them."""
     n = tree.num_nodes
-    if min_new_tokens and any(len(r.output_ids) < r.sampling_params.min_new_tokens for r in reqs):
+    if min_new_tokens and any(_stops_blocked(r) for r in reqs):
         depths = (tree.ancestors.sum(-1) - 1).reshape(-1).tolist()  # [bs*n]: each node's distance from its root
         logits = mask_min_new_tokens([r for r in reqs for _ in range(n)], logits, depths)
     if not any(r.sampling_params.has_penalties for r in reqs):
@@ -63,7 +74,7 @@ def tree_processed_logits(reqs: list[Req], logits: torch.Tensor, tree: DraftTree
     """Penalties, min_new_tokens and grammar masks per node row, as sample_next_tokens processes a plain
     row: where the grammar is complete (only EOS allowed) and min_new_tokens blocks EOS, the grammar wins."""
     processed = apply_tree_grammar_masks(reqs, tree_penalized_logits(reqs, logits, tree), tree)
-    if not any(r.grammar is not None and len(r.output_ids) < r.sampling_params.min_new_tokens for r in reqs):
+    if not any(r.grammar is not None and _stops_blocked(r) for r in reqs):
         return processed
     dead = ~torch.isfinite(processed).any(dim=-1)
     if bool(dead.any()):
@@ -122,12 +133,6 @@ def verify_tree_mixed(reqs: list[Req], logits: torch.Tensor, tree: DraftTree) ->
             coins[b, :count], final_coins[b] = draw[:count], draw[count]
     return _host_result(*tree_speculative_sampling_target_only(*args, coins.to(device), final_coins.to(device),
                                                                probs, tree.max_depth))
-
-
-def _processes_rows(reqs: list[Req]) -> bool:
-    """Whether tree_processed_logits changes any row of this batch (penalties, min_new_tokens, grammar)."""
-    return any(r.grammar is not None or r.sampling_params.has_penalties
-               or len(r.output_ids) < r.sampling_params.min_new_tokens for r in reqs)
 
 
 def _verify_padded(reqs: list[Req], logits: torch.Tensor, tree: DraftTree) -> tuple[list[int], list[list[int]]]:
