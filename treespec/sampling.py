@@ -110,6 +110,11 @@ def penalized_logits(reqs: list[Req], logits: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+def stops_blocked(req: Req) -> bool:
+    """min_new_tokens still masks this request's stop tokens at its next output token."""
+    return len(req.output_ids) < req.sampling_params.min_new_tokens
+
+
 def min_new_tokens_blocked(req: Req, depth: int = 0) -> tuple[int, ...]:
     """Token ids `req` may not produce `depth` tokens after its current output: EOS and stop_token_ids
     while fewer than min_new_tokens tokens would precede them (SGLang's min_new_tokens penalizer masks
@@ -123,7 +128,7 @@ def min_new_tokens_blocked(req: Req, depth: int = 0) -> tuple[int, ...]:
 def mask_min_new_tokens(reqs: list[Req], logits: torch.Tensor, depths: list[int] | None = None) -> torch.Tensor:
     """logits [rows, V] with each row's blocked stop tokens at -inf (a copy if any row has some); row i
     belongs to reqs[i], `depths[i]` tokens after its current output (0 when not given)."""
-    if not any(len(r.output_ids) < r.sampling_params.min_new_tokens for r in reqs):
+    if not any(stops_blocked(r) for r in reqs):
         return logits
     blocked = [min_new_tokens_blocked(r, 0 if depths is None else depths[i]) for i, r in enumerate(reqs)]
     if not any(blocked):

@@ -26,19 +26,15 @@ from treespec.sampling import (
     mask_min_new_tokens,
     penalized_logits,
     sampling_tensors,
+    stops_blocked,
 )
 from treespec.speculative.tree import DraftTree
-
-
-def _stops_blocked(req: Req) -> bool:
-    """min_new_tokens still masks this request's stop tokens at its next output token."""
-    return len(req.output_ids) < req.sampling_params.min_new_tokens
 
 
 def _processes_rows(reqs: list[Req]) -> bool:
     """Whether tree_processed_logits changes any row of this batch: the conditions its three steps test
     (min_new_tokens, penalties, a grammar), from the same predicates."""
-    return any(_stops_blocked(r) or r.sampling_params.has_penalties or r.grammar is not None for r in reqs)
+    return any(stops_blocked(r) or r.sampling_params.has_penalties or r.grammar is not None for r in reqs)
 
 
 def tree_penalized_logits(reqs: list[Req], logits: torch.Tensor, tree: DraftTree, min_new_tokens: bool = True
@@ -48,7 +44,7 @@ def tree_penalized_logits(reqs: list[Req], logits: torch.Tensor, tree: DraftTree
     a node at depth d picks output token len(output_ids) + d + 1, so its stop tokens are masked while
     len(output_ids) + d < min_new_tokens, as plain sampling masks them."""
     n = tree.num_nodes
-    if min_new_tokens and any(_stops_blocked(r) for r in reqs):
+    if min_new_tokens and any(stops_blocked(r) for r in reqs):
         depths = (tree.ancestors.sum(-1) - 1).reshape(-1).tolist()  # [bs*n]: each node's distance from its root
         logits = mask_min_new_tokens([r for r in reqs for _ in range(n)], logits, depths)
     if not any(r.sampling_params.has_penalties for r in reqs):
@@ -74,7 +70,7 @@ def tree_processed_logits(reqs: list[Req], logits: torch.Tensor, tree: DraftTree
     """Penalties, min_new_tokens and grammar masks per node row, as sample_next_tokens processes a plain
     row: where the grammar is complete (only EOS allowed) and min_new_tokens blocks EOS, the grammar wins."""
     processed = apply_tree_grammar_masks(reqs, tree_penalized_logits(reqs, logits, tree), tree)
-    if not any(r.grammar is not None and _stops_blocked(r) for r in reqs):
+    if not any(r.grammar is not None and stops_blocked(r) for r in reqs):
         return processed
     dead = ~torch.isfinite(processed).any(dim=-1)
     if bool(dead.any()):
