@@ -116,6 +116,28 @@ def pack_masks(masks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return segment_packbits(flat, indptr.to(flat.device))
 
 
+def pack_prefix_tree_masks(prefix_lens: list[int], trees: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pack_masks` of tree-verify masks, built packed on the host: request b's mask is [s, prefix_lens[b]
+    + s] (s = trees[b].shape[0]), every node seeing the whole prefix, then node i seeing node j where
+    trees[b][i, j]. One flat buffer with each segment padded to whole bytes, one packbits call: at 16
+    requests this is ~10x cheaper than a bool tensor per request packed one by one.
+
+    Returns `(packed uint8, packed_indptr int32 [len(trees) + 1])` on the CPU."""
+    sizes = [int(t.shape[0]) for t in trees]
+    lengths = [s * (prefix + s) for s, prefix in zip(sizes, prefix_lens, strict=True)]
+    padded = [(length + 7) // 8 * 8 for length in lengths]
+    bits = np.zeros(sum(padded), dtype=np.bool_)
+    start = 0
+    for size, prefix, length, width, tree in zip(sizes, prefix_lens, lengths, padded, trees, strict=True):
+        bits[start : start + length] = True
+        if size > 1:  # a lone root sees everything: its row is all ones already
+            bits[start : start + length].reshape(size, prefix + size)[:, prefix:] = tree
+        start += width
+    packed = np.packbits(bits, bitorder="little")
+    indptr = torch.tensor([0, *accumulate(width // 8 for width in padded)], dtype=torch.int32)
+    return torch.from_numpy(packed), indptr
+
+
 def segment_unpackbits_torch(packed: torch.Tensor, packed_indptr: torch.Tensor, indptr: torch.Tensor) -> torch.Tensor:
     """Reference implementation of `segment_unpackbits` (any device)."""
     lengths = indptr[1:] - indptr[:-1]

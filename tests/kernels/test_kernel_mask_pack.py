@@ -1,8 +1,10 @@
+import numpy as np
 import torch
 
 from treespec.attention.metadata import build_metadata
 from treespec.kernels.mask_pack import (
     pack_masks,
+    pack_prefix_tree_masks,
     packed_segment_indptr,
     segment_packbits,
     segment_packbits_numpy,
@@ -99,3 +101,21 @@ def test_metadata_unpacked_mask_is_the_row_major_concatenation():
     assert meta.mask_bit_indptr().tolist() == [0, 30, 36, 88]
     assert torch.equal(meta.unpacked_mask(), torch.cat([m.flatten() for m in masks]))
     assert build_metadata(qo_lens, slots).unpacked_mask() is None
+
+
+def test_prefix_tree_masks_pack_as_the_full_masks_do():
+    """pack_prefix_tree_masks (the tree verify's host path) gives pack_masks' bytes and offsets for the
+    masks it stands for: every node sees the whole prefix, then its tree row; lone roots, empty
+    prefixes and segments that end mid-byte included."""
+    generator = torch.Generator().manual_seed(5)
+    prefix_lens, sizes = [0, 7, 1, 13, 30, 2], [3, 1, 5, 1, 8, 2]
+    trees = [torch.rand(s, s, generator=generator) < 0.5 for s in sizes]
+    for tree in trees:
+        tree.fill_diagonal_(True)
+    trees[1][0, 0] = trees[3][0, 0] = True
+    full = [torch.cat([torch.ones(s, p, dtype=torch.bool), t], dim=1)
+            for p, s, t in zip(prefix_lens, sizes, trees, strict=True)]
+    packed, indptr = pack_prefix_tree_masks(prefix_lens, [np.asarray(t.numpy()) for t in trees])
+    expected, expected_indptr = pack_masks(full)
+    assert torch.equal(packed, expected) and torch.equal(indptr, expected_indptr)
+    assert indptr.dtype == torch.int32 and packed.dtype == torch.uint8

@@ -54,19 +54,26 @@ def build_metadata(
     kv_slot_lists: list[torch.Tensor],
     custom_masks: list[torch.Tensor] | None = None,
     device: str | torch.device = "cpu",
+    packed_masks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kv_lens: list[int] | None = None,
 ) -> AttentionMetadata:
     """Assemble metadata from per-request query lengths, KV slot ids and optional bool masks
-    ([qo_len, kv_len] each)."""
+    ([qo_len, kv_len] each), or the masks already packed (`packed_masks`: pack_masks' result). With
+    `kv_lens` (each request's KV length) the slot lists need not be one per request: their concatenation
+    is the batch's KV, request after request."""
     # Host lists first, one tensor each: this runs several times per speculative step.
     qo_indptr = torch.tensor([0, *accumulate(qo_lens)], dtype=torch.int32)
-    kv_indptr = torch.tensor([0, *accumulate(int(s.numel()) for s in kv_slot_lists)], dtype=torch.int32)
+    if kv_lens is None:
+        kv_lens = [int(s.numel()) for s in kv_slot_lists]
+    kv_indptr = torch.tensor([0, *accumulate(kv_lens)], dtype=torch.int32)
     kv_indices = (
         torch.cat(kv_slot_lists).to(torch.int64) if kv_slot_lists else torch.zeros(0, dtype=torch.int64)
     )
     custom_mask = mask_indptr = None
     if custom_masks is not None:
-        custom_mask, mask_indptr = pack_masks(custom_masks)
-        custom_mask, mask_indptr = custom_mask.to(device), mask_indptr.to(device)
+        packed_masks = pack_masks(custom_masks)
+    if packed_masks is not None:
+        custom_mask, mask_indptr = packed_masks[0].to(device), packed_masks[1].to(device)
     return AttentionMetadata(
         qo_indptr=qo_indptr.to(device),
         kv_indptr=kv_indptr.to(device),

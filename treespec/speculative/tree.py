@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from treespec.attention.metadata import build_metadata
 from treespec.forward_batch import ForwardBatch, ForwardMode
 from treespec.kernels import build_tree
+from treespec.kernels.mask_pack import pack_prefix_tree_masks
 
 
 @dataclass
@@ -95,53 +97,55 @@ def tree_from_parents(root_tokens: torch.Tensor, draft_tokens: list[list[int]], 
     same parent. Requests with fewer drafts than the largest are padded with orphans (the root's token,
     no parent, linked nowhere, depth 0) that are never accepted and not verified (`DraftTree.sizes`: at
     batch 4 one request's 7 drafts would otherwise add 21 padding rows to the forward). Siblings must
-    carry distinct tokens (tree sampling tries each token once). Built on the host: trees are small."""
+    carry distinct tokens (tree sampling tries each token once). Built on the host, in numpy arrays that
+    start as all padding, so each request costs work for its real nodes only (at 16 requests most have
+    none: walking every padded node cost ~0.2 ms of a ~20 ms CPU step)."""
     bs = len(kv_lens)
     n = 1 + max((len(t) for t in draft_tokens), default=0)
-    roots = root_tokens.tolist()
-    candidates, positions, next_token, next_sibling = [], [], [], []
-    ancestors: list[list[list[bool]]] = []  # host lists, one tensor at the end: per-node tensor ops cost more
+    # one int64 array for the per-node fields, one tensor over it (each torch call costs ~10-60 us on a
+    # CPU right after a forward has flushed the caches): candidates, positions, retrive_index,
+    # next_token, next_sibling
+    links = np.full((5, bs, n), -1, dtype=np.int64)
+    candidates, positions, retrive_index, next_token, next_sibling = links
+    candidates[:] = np.asarray(root_tokens.tolist(), dtype=np.int64)[:, None]
+    positions[:] = np.asarray(kv_lens, dtype=np.int64)[:, None]
+    retrive_index[:] = np.arange(bs * n, dtype=np.int64).reshape(bs, n)
+    ancestors = np.zeros((bs, n, n), dtype=np.bool_)
+    ancestors[:, np.arange(n), np.arange(n)] = True  # every node sees itself; padding nothing else
     max_depth = 0
     for b in range(bs):
-        pad = n - 1 - len(draft_tokens[b])
-        if len(parents[b]) != len(draft_tokens[b]):
-            raise ValueError(f"request {b}: {len(draft_tokens[b])} draft tokens but {len(parents[b])} parents")
-        tokens = [roots[b], *draft_tokens[b]] + [roots[b]] * pad
-        parent = [-1, *parents[b]] + [-1] * pad
-        depth = [0] * n
-        children: list[list[int]] = [[] for _ in range(n)]
-        rows: list[list[bool]] = []
-        for t in range(n):
-            p = parent[t]
-            if p < 0:
-                row = [False] * n
+        tokens, parent = draft_tokens[b], parents[b]
+        if not tokens and not parent:
+            continue
+        if len(parent) != len(tokens):
+            raise ValueError(f"request {b}: {len(tokens)} draft tokens but {len(parent)} parents")
+        depth = [0] * (1 + len(tokens))
+        last_child = [-1] * (1 + len(tokens))  # per node, its latest child so far (children come in order)
+        child_tokens: list[set[int]] = [set() for _ in depth]
+        for i, (tok, p) in enumerate(zip(tokens, parent, strict=True)):
+            t = i + 1
+            if not 0 <= p < t:
+                raise ValueError(f"request {b}: node {t} has parent {p}; a parent must come first")
+            if tok in child_tokens[p]:
+                raise ValueError(f"request {b}: node {p} has two children with token {tok}")
+            child_tokens[p].add(tok)
+            depth[t] = depth[p] + 1
+            ancestors[b, t, :t] = ancestors[b, p, :t]  # the parent's ancestors, itself included
+            if last_child[p] < 0:
+                next_token[b, p] = t
             else:
-                if p >= t:
-                    raise ValueError(f"request {b}: node {t} has parent {p}; a parent must come first")
-                if any(tokens[c] == tokens[t] for c in children[p]):
-                    raise ValueError(f"request {b}: node {p} has two children with token {tokens[t]}")
-                children[p].append(t)
-                depth[t] = depth[p] + 1
-                row = list(rows[p])  # the parent's ancestors, itself included
-            row[t] = True
-            rows.append(row)
-        for t in range(n):
-            next_token.append(children[t][0] if children[t] else -1)
-            later = [c for c in children[parent[t]] if c > t] if parent[t] >= 0 else []
-            next_sibling.append(later[0] if later else -1)
-        ancestors.append(rows)
-        candidates.extend(tokens)
-        positions.extend(kv_lens[b] + d for d in depth)
+                next_sibling[b, last_child[p]] = t
+            last_child[p] = t
+        candidates[b, 1 : 1 + len(tokens)] = tokens
+        positions[b, : len(depth)] += depth
         max_depth = max(max_depth, *depth)
-    device = root_tokens.device
-    links = torch.tensor([candidates, next_token, next_sibling], dtype=torch.int64).view(3, bs, n).to(device)
-    def per_request(flat: list[int]) -> list[list[int]]:
-        return [flat[b * n : (b + 1) * n] for b in range(bs)]
-
-    host_links = (per_request(candidates), per_request(next_token), per_request(next_sibling))
-    return DraftTree(links[0], torch.tensor(positions, dtype=torch.int64).to(device),
-                     torch.tensor(ancestors, dtype=torch.bool).view(bs, n, n).to(device),
-                     torch.arange(bs * n, device=device).view(bs, n), links[1], links[2], max_depth, host_links,
+    host_links = tuple(links[[0, 3, 4]].tolist())
+    tensors = torch.from_numpy(links)
+    anc = torch.from_numpy(ancestors)
+    if root_tokens.device.type != "cpu":
+        tensors, anc = tensors.to(root_tokens.device), anc.to(root_tokens.device)
+    cand, pos, index, nxt, sib = tensors.unbind(0)
+    return DraftTree(cand, pos.reshape(-1), anc, index, nxt, sib, max_depth, host_links,
                      [1 + len(t) for t in draft_tokens])
 
 
@@ -155,12 +159,21 @@ def verify_batch(
     n = tree.num_nodes
     rows = tree.verify_rows()
     slots = verify_slots.reshape(-1)
-    kv_lists, masks = [], []
-    for b, node_rows in enumerate(rows):
-        prefix, size = prefix_slots[b], len(node_rows)
-        kv_lists.append(torch.cat([prefix, slots[node_rows[0] : node_rows[0] + size].to(prefix)]))
-        sees_prefix = torch.ones(size, prefix.numel(), dtype=torch.bool, device=tree.ancestors.device)
-        masks.append(torch.cat([sees_prefix, tree.ancestors[b, :size, :size]], dim=1))
+    sizes = [len(node_rows) for node_rows in rows]
+    # request b's KV: its prefix, then its nodes' slots (build_metadata concatenates the parts once)
+    kv_parts = [part for b, node_rows in enumerate(rows)
+                for part in (prefix_slots[b], slots[node_rows[0] : node_rows[0] + sizes[b]].to(prefix_slots[b]))]
+    kv_lens = [int(p.numel()) + size for p, size in zip(prefix_slots, sizes, strict=True)]
+    if tree.ancestors.device.type == "cpu":  # packed on the host in one pass (pack_prefix_tree_masks)
+        ancestors = tree.ancestors.numpy()
+        packed = pack_prefix_tree_masks([int(p.numel()) for p in prefix_slots],
+                                        [ancestors[b, :size, :size] for b, size in enumerate(sizes)])
+        masks = None
+    else:
+        packed, masks = None, []
+        for b, size in enumerate(sizes):
+            sees_prefix = torch.ones(size, prefix_slots[b].numel(), dtype=torch.bool, device=tree.ancestors.device)
+            masks.append(torch.cat([sees_prefix, tree.ancestors[b, :size, :size]], dim=1))
     input_ids, positions = tree.candidates.reshape(-1), positions.reshape(-1)
     if tree.ragged:  # the real nodes' padded indices, b * n + node
         real = torch.tensor([b * n + t for b, node_rows in enumerate(rows) for t in range(len(node_rows))])
@@ -168,7 +181,8 @@ def verify_batch(
     return ForwardBatch(
         mode=ForwardMode.TARGET_VERIFY, input_ids=input_ids.to(device),
         positions=positions.to(device), out_cache_loc=slots.to(device),
-        attn=build_metadata([len(r) for r in rows], kv_lists, masks, device=device), logits_indices=None,
+        attn=build_metadata(sizes, kv_parts, masks, device=device, packed_masks=packed, kv_lens=kv_lens),
+        logits_indices=None,
         capture_layers=capture_layers,
     )
 
@@ -176,11 +190,11 @@ def verify_batch(
 def split_accepted(rows: list[list[int]], verify_slots: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Split a verified batch's slots: per request the KV slots of its accepted verify rows `rows` (root
     first; page size 1, so accepted nodes keep the slots they were verified in), and every other slot.
-    verify_slots: one per verify row. Worked out on host lists, one tensor per result: per-request
-    tensor ops cost ~3x more here."""
+    verify_slots: one per verify row. Worked out on host lists, one tensor for all kept slots split into
+    views: per-request tensors cost ~3x more here."""
     slots = verify_slots.reshape(-1).tolist()
     accepted = {r for request_rows in rows for r in request_rows}
     device = verify_slots.device
-    kept = [torch.tensor([slots[r] for r in request_rows], dtype=torch.int64).to(device) for request_rows in rows]
+    kept = torch.tensor([slots[r] for request_rows in rows for r in request_rows], dtype=torch.int64).to(device)
     rejected = torch.tensor([slot for r, slot in enumerate(slots) if r not in accepted], dtype=torch.int64)
-    return kept, rejected.to(device)
+    return list(kept.split([len(request_rows) for request_rows in rows])), rejected.to(device)
