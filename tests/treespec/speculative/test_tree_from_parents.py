@@ -92,3 +92,19 @@ def test_no_drafts_anywhere_is_the_root_alone():
 def test_malformed_drafts_are_refused(tokens, parents, match):
     with pytest.raises(ValueError, match=match):
         tree_from_parents(torch.tensor([0]), [tokens], [parents], [4])
+
+
+def test_split_accepted_keeps_each_requests_accepted_slots_and_frees_the_rest():
+    """Accepted rows that run consecutively (a chain) and ones that skip (a branch), a lone root, and
+    rejected rows before, between and after them: every slot lands in exactly one place."""
+    from treespec.speculative.tree import split_accepted
+
+    slots = torch.arange(100, 112)
+    rows = [[0, 1, 2], [4, 6], [8], [9, 10]]  # rows 3, 5, 7 and 11 were rejected
+    kept, rejected = split_accepted(rows, slots)
+    assert [k.tolist() for k in kept] == [[100, 101, 102], [104, 106], [108], [109, 110]]
+    assert rejected.tolist() == [103, 105, 107, 111]
+    kept, rejected = split_accepted([[0, 1, 2, 3]], torch.arange(200, 204))
+    assert [k.tolist() for k in kept] == [[200, 201, 202, 203]] and rejected.numel() == 0
+    kept, rejected = split_accepted([[2]], torch.arange(300, 304))
+    assert kept[0].tolist() == [302] and rejected.tolist() == [300, 301, 303]
