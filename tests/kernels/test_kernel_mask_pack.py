@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 import torch
 
 from treespec.attention.metadata import build_metadata
@@ -119,3 +120,10 @@ def test_prefix_tree_masks_pack_as_the_full_masks_do():
     expected, expected_indptr = pack_masks(full)
     assert torch.equal(packed, expected) and torch.equal(indptr, expected_indptr)
     assert indptr.dtype == torch.int32 and packed.dtype == torch.uint8
+    # handed to build_metadata packed, they read back as the full masks
+    meta = build_metadata(sizes, [torch.arange(p + s) for p, s in zip(prefix_lens, sizes, strict=True)],
+                          packed_masks=(packed, indptr))
+    assert torch.equal(meta.unpacked_mask(), torch.cat([m.flatten() for m in full]))
+    with pytest.raises(ValueError, match="not both"):
+        build_metadata(sizes, [torch.arange(p + s) for p, s in zip(prefix_lens, sizes, strict=True)], full,
+                       packed_masks=(packed, indptr))

@@ -71,6 +71,8 @@ def build_metadata(
     )
     custom_mask = mask_indptr = None
     if custom_masks is not None:
+        if packed_masks is not None:
+            raise ValueError("build_metadata takes custom_masks or packed_masks, not both")
         packed_masks = pack_masks(custom_masks)
     if packed_masks is not None:
         custom_mask, mask_indptr = packed_masks[0].to(device), packed_masks[1].to(device)
