@@ -164,11 +164,11 @@ def verify_batch(
     # request b's KV: its prefix, then its nodes' slots (build_metadata concatenates the parts once)
     kv_parts = [part for b, node_rows in enumerate(rows)
                 for part in (prefix_slots[b], slots[node_rows[0] : node_rows[0] + sizes[b]].to(prefix_slots[b]))]
-    kv_lens = [int(p.numel()) + size for p, size in zip(prefix_slots, sizes, strict=True)]
+    prefix_lens = [int(p.numel()) for p in prefix_slots]
+    kv_lens = [prefix + size for prefix, size in zip(prefix_lens, sizes, strict=True)]
     if tree.ancestors.device.type == "cpu":  # packed on the host in one pass (pack_prefix_tree_masks)
         ancestors = tree.ancestors.numpy()
-        packed = pack_prefix_tree_masks([int(p.numel()) for p in prefix_slots],
-                                        [ancestors[b, :size, :size] for b, size in enumerate(sizes)])
+        packed = pack_prefix_tree_masks(prefix_lens, [ancestors[b, :size, :size] for b, size in enumerate(sizes)])
         masks = None
     else:
         packed, masks = None, []
@@ -195,8 +195,8 @@ def split_accepted(rows: list[list[int]], verify_slots: torch.Tensor) -> tuple[l
     chain is one): no tensor is built from host ints, which right after a forward costs ~60 us a tensor
     on a CPU."""
     flat = verify_slots.reshape(-1)
-    kept = [flat[r[0] : r[-1] + 1] if r[-1] - r[0] == len(r) - 1 else flat[torch.tensor(r, device=flat.device)]
-            for r in rows]
+    kept = [flat[r[0] : r[0] + len(r)] if r == list(range(r[0], r[0] + len(r)))
+            else flat[torch.tensor(r, device=flat.device)] for r in rows]
     accepted = sorted(r for request_rows in rows for r in request_rows)
     # the rejected rows, as runs between accepted ones
     runs, start = [], 0
