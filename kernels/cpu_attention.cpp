@@ -261,32 +261,84 @@ static void attention_units(const std::vector<Request>& reqs, int64_t num_rows, 
       for (int64_t j = shared[b]; j < req.kv_len; ++j)
         if (visible(i, j)) tails[req.q_start + i].push_back(req_slots[j]);
   }
-  // Units: up to 4 rows x all heads of a KV head, fewer rows where that leaves threads idle (heads stay
-  // together: a unit of one query runs its V sums as a few fma chains, latency-bound). Rows split evenly
-  // within a request so the units of one request weigh alike.
-  const int64_t want = 2 * at::get_num_threads();
-  int64_t max_rows = 4;
+  // Units: up to `max_rows` rows x all heads of a KV head (heads stay together: a unit of one query runs
+  // its V sums as a few fma chains, latency-bound). Rows split evenly within a request so the units of
+  // one request weigh alike. Each thread takes a run of consecutive units, the runs balanced by an
+  // estimated cost, and max_rows is the largest of 8, 4, 2, 1 whose runs finish soonest. A 12-row verify
+  // over 3 KV heads on 2 threads: 3 units of 6 rows a thread, where 9 units of 4 rows ran 5 and 4 (and
+  // four 8-row requests: 12 units that read K and V once, where 24 of 4 rows read them twice). Which
+  // thread runs a unit never changes its bits.
+  const int64_t threads = at::get_num_threads();
   auto chunks = [](int64_t n, int64_t most) { return (n + most - 1) / most; };
-  auto unit_count = [&] {
+  // cost of a unit: its queries' visible columns, plus one K and V read of its longest row's columns
+  auto unit_cost = [&](const Request& req, int64_t row0, int64_t row1) {
+    auto cols = [&](int64_t i) {
+      return req.mask_bit < 0 ? std::clamp<int64_t>(req.kv_len - req.q_len + i + 1, 0, req.kv_len) : req.kv_len;
+    };
     int64_t total = 0;
-    for (const Request& req : reqs) total += num_kv_heads * chunks(req.q_len, max_rows);
-    return total;
+    for (int64_t i = row0; i < row1; ++i) total += group * cols(i);
+    return total + 2 * cols(row1 - 1);
   };
-  while (unit_count() < want && max_rows > 1) max_rows /= 2;
+  // where each thread's run of consecutive units starts (threads + 1 bounds; consecutive units keep each
+  // thread's reads in the pool's order, which the prefetchers follow), each cut where the running cost
+  // is nearest its share of the total; returns the largest run's cost
+  auto balance = [&](const std::vector<int64_t>& costs, std::vector<int64_t>* bounds) {
+    const int64_t n = static_cast<int64_t>(costs.size());
+    int64_t total = 0;
+    for (int64_t c : costs) total += c;
+    std::vector<int64_t> cut(threads + 1, n);
+    cut[0] = 0;
+    int64_t i = 0, prefix = 0, longest = 0;
+    for (int64_t t = 1; t < threads; ++t) {
+      const int64_t target = total * t / threads;
+      while (i < n && prefix + costs[i] <= target) prefix += costs[i++];
+      // nearer after it, or as near (the caller's thread, first, starts before the others wake)
+      if (i < n && (prefix + costs[i] - target) <= (target - prefix)) prefix += costs[i++];
+      cut[t] = i;
+    }
+    for (int64_t t = 0; t < threads; ++t) {
+      int64_t run = 0;
+      for (int64_t j = cut[t]; j < cut[t + 1]; ++j) run += costs[j];
+      longest = std::max(longest, run);
+    }
+    if (bounds) *bounds = cut;
+    return longest;
+  };
+  auto row_range = [](int64_t q_len, int64_t row_chunks, int64_t c) {
+    return std::pair<int64_t, int64_t>{q_len * c / row_chunks, q_len * (c + 1) / row_chunks};
+  };
+  auto costs_for = [&](int64_t max_rows) {
+    std::vector<int64_t> costs;
+    for (const Request& req : reqs) {
+      const int64_t row_chunks = chunks(req.q_len, max_rows);
+      for (int64_t c = 0; c < row_chunks; ++c) {
+        const auto [row0, row1] = row_range(req.q_len, row_chunks, c);
+        costs.insert(costs.end(), num_kv_heads, unit_cost(req, row0, row1));
+      }
+    }
+    return costs;
+  };
+  int64_t max_rows = 8, longest_q = 0;
+  for (const Request& req : reqs) longest_q = std::max(longest_q, req.q_len);
+  if (longest_q > 1) {  // one-row requests (decodes) make the same units whatever max_rows is
+    int64_t best = balance(costs_for(8), nullptr);
+    for (int64_t rows : {4, 2, 1}) {
+      if (rows >= longest_q) continue;  // the same units as the larger max_rows
+      const int64_t makespan = balance(costs_for(rows), nullptr);
+      if (makespan < best) best = makespan, max_rows = rows;
+    }
+  }
   // A causal request's unit shares the columns its first row sees (row i sees kv_len - q_len + i + 1):
   // in a prefill every K and V row is then read once per unit rather than once per query. Where the
-  // shared columns end does not change a query's dense list, so not its bits either. Row chunks are
-  // listed first, last, second, second to last, ...: the threads take contiguous ranges of units, and a
-  // prefill's later rows see more columns.
+  // shared columns end does not change a query's dense list, so not its bits either.
   std::vector<Unit> units;
-  std::vector<int64_t> unit_shared;
+  std::vector<int64_t> unit_shared, unit_costs;
   for (int64_t b = 0; b < bs; ++b) {
     const Request& req = reqs[b];
     const int64_t q_len = req.q_len, row_chunks = chunks(q_len, max_rows);
     auto seen = [&](int64_t i) { return std::clamp<int64_t>(req.kv_len - q_len + i + 1, 0, req.kv_len); };
-    for (int64_t k = 0; k < row_chunks; ++k) {
-      const int64_t c = k % 2 == 0 ? k / 2 : row_chunks - 1 - k / 2;
-      const int64_t row0 = q_len * c / row_chunks, row1 = q_len * (c + 1) / row_chunks;
+    for (int64_t c = 0; c < row_chunks; ++c) {
+      const auto [row0, row1] = row_range(q_len, row_chunks, c);
       int64_t chunk_shared = shared[b];
       if (req.mask_bit < 0) {
         chunk_shared = seen(row0);
@@ -296,17 +348,22 @@ static void attention_units(const std::vector<Request>& reqs, int64_t num_rows, 
       for (int64_t g = 0; g < num_kv_heads; ++g) {
         units.push_back({b, g, row0, row1, g * group, (g + 1) * group});
         unit_shared.push_back(chunk_shared);
+        unit_costs.push_back(unit_cost(req, row0, row1));
       }
     }
   }
-  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const auto& u = units[i];
-      with_chunks(pool.head_dim / 16, [&](auto chunks) {
-        constexpr int NC = decltype(chunks)::value;
-        const auto run = avx512 ? attention_avx512::run_unit<NC> : attention_avx2::run_unit<NC>;
-        run(u, reqs[u.req], qp, q_row_stride, num_heads, pool, slots, unit_shared[i], tails, scale, op);
-      });
+  std::vector<int64_t> bounds;
+  balance(unit_costs, &bounds);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t i = bounds[t]; i < bounds[t + 1]; ++i) {
+        const auto& u = units[i];
+        with_chunks(pool.head_dim / 16, [&](auto chunks) {
+          constexpr int NC = decltype(chunks)::value;
+          const auto run = avx512 ? attention_avx512::run_unit<NC> : attention_avx2::run_unit<NC>;
+          run(u, reqs[u.req], qp, q_row_stride, num_heads, pool, slots, unit_shared[i], tails, scale, op);
+        });
+      }
     }
   });
 }
