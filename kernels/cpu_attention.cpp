@@ -270,11 +270,13 @@ static void attention_units(const std::vector<Request>& reqs, int64_t num_rows, 
   // thread runs a unit never changes its bits.
   const int64_t threads = at::get_num_threads();
   auto chunks = [](int64_t n, int64_t most) { return (n + most - 1) / most; };
+  // the columns row i of a causal request sees
+  auto seen = [](const Request& req, int64_t i) {
+    return std::clamp<int64_t>(req.kv_len - req.q_len + i + 1, 0, req.kv_len);
+  };
   // cost of a unit: its queries' visible columns, plus one K and V read of its longest row's columns
   auto unit_cost = [&](const Request& req, int64_t row0, int64_t row1) {
-    auto cols = [&](int64_t i) {
-      return req.mask_bit < 0 ? std::clamp<int64_t>(req.kv_len - req.q_len + i + 1, 0, req.kv_len) : req.kv_len;
-    };
+    auto cols = [&](int64_t i) { return req.mask_bit < 0 ? seen(req, i) : req.kv_len; };
     int64_t total = 0;
     for (int64_t i = row0; i < row1; ++i) total += group * cols(i);
     return total + 2 * cols(row1 - 1);
@@ -282,11 +284,11 @@ static void attention_units(const std::vector<Request>& reqs, int64_t num_rows, 
   // where each thread's run of consecutive units starts (threads + 1 bounds; consecutive units keep each
   // thread's reads in the pool's order, which the prefetchers follow), each cut where the running cost
   // is nearest its share of the total; returns the largest run's cost
-  auto balance = [&](const std::vector<int64_t>& costs, std::vector<int64_t>* bounds) {
+  auto balance = [&](const std::vector<int64_t>& costs, std::vector<int64_t>& cut) {
     const int64_t n = static_cast<int64_t>(costs.size());
     int64_t total = 0;
     for (int64_t c : costs) total += c;
-    std::vector<int64_t> cut(threads + 1, n);
+    cut.assign(threads + 1, n);
     cut[0] = 0;
     int64_t i = 0, prefix = 0, longest = 0;
     for (int64_t t = 1; t < threads; ++t) {
@@ -301,7 +303,6 @@ static void attention_units(const std::vector<Request>& reqs, int64_t num_rows, 
       for (int64_t j = cut[t]; j < cut[t + 1]; ++j) run += costs[j];
       longest = std::max(longest, run);
     }
-    if (bounds) *bounds = cut;
     return longest;
   };
   auto row_range = [](int64_t q_len, int64_t row_chunks, int64_t c) {
@@ -318,42 +319,40 @@ static void attention_units(const std::vector<Request>& reqs, int64_t num_rows, 
     }
     return costs;
   };
+  // the chosen max_rows and the threads' runs of its units (costs_for lists them per request, row chunk
+  // and KV head: the order the units are built in below)
   int64_t max_rows = 8, longest_q = 0;
+  std::vector<int64_t> bounds;
+  int64_t best = balance(costs_for(max_rows), bounds);
   for (const Request& req : reqs) longest_q = std::max(longest_q, req.q_len);
-  if (longest_q > 1) {  // one-row requests (decodes) make the same units whatever max_rows is
-    int64_t best = balance(costs_for(8), nullptr);
-    for (int64_t rows : {4, 2, 1}) {
-      if (rows >= longest_q) continue;  // the same units as the larger max_rows
-      const int64_t makespan = balance(costs_for(rows), nullptr);
-      if (makespan < best) best = makespan, max_rows = rows;
-    }
+  for (int64_t rows : {4, 2, 1}) {
+    if (rows >= longest_q) continue;  // the same units as the larger max_rows (always, for decodes)
+    std::vector<int64_t> cut;
+    const int64_t makespan = balance(costs_for(rows), cut);
+    if (makespan < best) best = makespan, max_rows = rows, bounds = std::move(cut);
   }
   // A causal request's unit shares the columns its first row sees (row i sees kv_len - q_len + i + 1):
   // in a prefill every K and V row is then read once per unit rather than once per query. Where the
   // shared columns end does not change a query's dense list, so not its bits either.
   std::vector<Unit> units;
-  std::vector<int64_t> unit_shared, unit_costs;
+  std::vector<int64_t> unit_shared;
   for (int64_t b = 0; b < bs; ++b) {
     const Request& req = reqs[b];
     const int64_t q_len = req.q_len, row_chunks = chunks(q_len, max_rows);
-    auto seen = [&](int64_t i) { return std::clamp<int64_t>(req.kv_len - q_len + i + 1, 0, req.kv_len); };
     for (int64_t c = 0; c < row_chunks; ++c) {
       const auto [row0, row1] = row_range(q_len, row_chunks, c);
       int64_t chunk_shared = shared[b];
       if (req.mask_bit < 0) {
-        chunk_shared = seen(row0);
+        chunk_shared = seen(req, row0);
         const int64_t* req_slots = slots + req.kv_start;
-        for (int64_t i = row0; i < row1; ++i) tails[req.q_start + i].assign(req_slots + chunk_shared, req_slots + seen(i));
+        for (int64_t i = row0; i < row1; ++i) tails[req.q_start + i].assign(req_slots + chunk_shared, req_slots + seen(req, i));
       }
       for (int64_t g = 0; g < num_kv_heads; ++g) {
         units.push_back({b, g, row0, row1, g * group, (g + 1) * group});
         unit_shared.push_back(chunk_shared);
-        unit_costs.push_back(unit_cost(req, row0, row1));
       }
     }
   }
-  std::vector<int64_t> bounds;
-  balance(unit_costs, &bounds);
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t i = bounds[t]; i < bounds[t + 1]; ++i) {
