@@ -121,6 +121,9 @@ class ServerArgs:
     # draft nodes below this estimated chance of acceptance stay out (None: the --speculative-config
     # entry's ngram_min_accept_prob, 0 = fill the budget as SGLang does, without one)
     speculative_ngram_min_accept_prob: float | None = None
+    # the shared trie's warm corpus (speculative/ngram_corpus.py): None = the one shipped for the default
+    # model (none for others), "none" = no corpus, else a corpus file
+    speculative_ngram_corpus: str | None = None
     # EAGLE / EAGLE3 + n-gram hybrid: n-gram nodes added to each draft tree (0 = off)
     speculative_hybrid_ngram_tokens: int | None = None  # None: the tuned value with a shipped head, else 0
     # server
@@ -192,6 +195,7 @@ class ServerArgs:
                            self.speculative_config) != (None, None, None, None)
             hybrid = drafts.TUNED_HYBRID_NGRAM_TOKENS.get(algo, 0) if uses_shipped and not shape_given else 0
         spec["speculative_hybrid_ngram_tokens"] = hybrid
+        spec["speculative_ngram_corpus"] = self._resolve_ngram_corpus(algo)
         if algo in ("EAGLE", "EAGLE3") and quantization is None:  # measured on the shipped heads only
             spec["speculative_draft_model_quantization"] = "q8_0" if uses_shipped else "none"
         return ResolvedArgs(**{**dataclasses.asdict(self), **spec})
@@ -260,6 +264,19 @@ class ServerArgs:
                 "speculative_eagle_topk": self.speculative_ngram_max_bfs_breadth,
                 "speculative_num_draft_tokens": ndraft, "speculative_token_map": None,
                 "speculative_config": schedule_path}
+
+    def _resolve_ngram_corpus(self, algo: str) -> str | None:
+        """The warm corpus file NGRAM's shared trie starts with, or None: a file given by flag, else on
+        the default model the shipped one (None where this checkout lacks it)."""
+        corpus = self.speculative_ngram_corpus
+        if corpus is not None and corpus.lower() == "none":
+            return None
+        if corpus is not None:
+            _check(algo == "NGRAM", "--speculative-ngram-corpus", f"applies to NGRAM only (the algorithm here is {algo})")
+            _check(Path(corpus).is_file(), "--speculative-ngram-corpus", f"no such file: {corpus}")
+            return corpus
+        shipped = drafts.ngram_corpus_path() if algo == "NGRAM" and self.model_path is None else None
+        return str(shipped) if shipped is not None else None
 
     def _resolve_speculative(self) -> dict:
         """The speculative_* fields resolved: the algorithm; for the default model, the shipped head with
@@ -395,6 +412,9 @@ FLAG_HELP = {
     "speculative_ngram_capacity": "NGRAM: size in nodes of each n-gram trie (the one shared by all requests, "
                                   "each running request's own); least recently used branches are evicted "
                                   "(~0.4 KB of host memory per node)",
+    "speculative_ngram_corpus": "NGRAM: token texts put in the shared n-gram trie at start and after /flush_cache "
+                                "(a gzipped JSON corpus file, see python -m treespec.train.ngram_corpus; none = off; "
+                                "default: the corpus shipped for the default model, off for others)",
     "speculative_ngram_min_accept_prob": "NGRAM: draft nodes whose estimated chance of acceptance is below this "
                                          "stay out of the tree, which is sized by what the match promises up to "
                                          "--speculative-num-draft-tokens (0 = fill the budget, as SGLang; default: "

@@ -144,6 +144,27 @@ def test_auto_speculation_is_ngram_on_the_default_model_only():
     assert ServerArgs(model_path="/some/model").resolve().speculative_algorithm == "NONE"
 
 
+def test_ngram_corpus_is_the_shipped_one_on_the_default_model_or_the_file_given(tmp_path):
+    from treespec.drafts import ngram_corpus_path
+
+    shipped = ngram_corpus_path()
+    assert shipped is not None  # shipped in the package
+    assert ServerArgs().resolve().speculative_ngram_corpus == str(shipped)
+    # the tree flags do not touch it: the corpus is for the model, not a tree shape
+    assert ServerArgs(speculative_num_draft_tokens=6).resolve().speculative_ngram_corpus == str(shipped)
+    assert ServerArgs(speculative_ngram_corpus="none").resolve().speculative_ngram_corpus is None
+    assert ServerArgs(model_path="/some/model", speculative_algorithm="NGRAM").resolve().speculative_ngram_corpus is None
+    assert ServerArgs(speculative_algorithm="NONE").resolve().speculative_ngram_corpus is None
+    mine = tmp_path / "mine.json.gz"
+    mine.write_bytes(b"")
+    resolved = ServerArgs(model_path="/some/model", speculative_algorithm="NGRAM", speculative_ngram_corpus=str(mine))
+    assert resolved.resolve().speculative_ngram_corpus == str(mine)
+    with pytest.raises(ArgError, match="^--speculative-ngram-corpus: no such file"):
+        ServerArgs(speculative_ngram_corpus=str(tmp_path / "missing.json.gz")).resolve()
+    with pytest.raises(ArgError, match="^--speculative-ngram-corpus: applies to NGRAM only"):
+        ServerArgs(speculative_algorithm="EAGLE3", speculative_ngram_corpus=str(mine)).resolve()
+
+
 def test_ngram_takes_the_tuned_schedule_on_the_default_model_unless_settings_are_given(tmp_path):
     from treespec.drafts import ngram_schedule_path
     from treespec.speculative.shapes import SpecSchedule

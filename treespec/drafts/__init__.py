@@ -37,3 +37,10 @@ def ngram_schedule_path() -> Path | None:
     nothing: 8 nodes up to batch 4, plain above."""
     path = HERE / "ngram" / "speculative_config.json"
     return path if path.is_file() else None
+
+
+def ngram_corpus_path() -> Path | None:
+    """The warm n-gram corpus for the default model (speculative/ngram_corpus.py), or None: its greedy
+    replies to ShareGPT training-pool first turns, made by `python -m treespec.train.ngram_corpus`."""
+    path = HERE / "ngram" / "corpus.json.gz"
+    return path if path.is_file() else None

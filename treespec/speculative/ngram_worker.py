@@ -37,13 +37,14 @@ from collections import deque
 
 import torch
 
-from treespec.args import ServerArgs
+from treespec.args import ArgError, ServerArgs
 from treespec.forward_batch import ForwardBatch, ModelOutput
 from treespec.mem.allocator import TokenToKVPoolAllocator
 from treespec.mem.req_to_token import ReqToTokenPool
 from treespec.model_runner import ModelRunner
 from treespec.request import Req
 from treespec.speculative.ngram_cache import NgramCache, NgramConfig, TextCursor, new_ngram_cache
+from treespec.speculative.ngram_corpus import CorpusError, load_corpus
 from treespec.speculative.shapes import SpecSchedule, SpecShape
 from treespec.speculative.step_result import SpecStepResult, verify_tree_step
 from treespec.speculative.tree import tree_from_parents
@@ -120,7 +121,14 @@ class NgramWorker:
         self.schedule = SpecSchedule.from_flags(args.speculative_config, ndraft - 1, 1, ndraft,
                                                 target_runner.schedule_kind())
         self.config = ngram_config(args)
-        self.cache = new_ngram_cache(self.config)  # past requests' text, shared (--speculative-ngram-capacity)
+        # the shared trie's warm corpus (--speculative-ngram-corpus), put in again after every flush
+        self.corpus: list[list[int]] = []
+        if args.speculative_ngram_corpus is not None:
+            try:
+                self.corpus = load_corpus(args.speculative_ngram_corpus, target_runner.config.vocab_size)
+            except CorpusError as err:
+                raise ArgError(f"--speculative-ngram-corpus: {err}") from err
+        self.cache = self._warm_shared_cache()  # past requests' text, shared (--speculative-ngram-capacity)
         self.min_accept_prob_flag = args.speculative_ngram_min_accept_prob  # None: each shape's own
         self.text: dict[str, OwnText] = {}  # rid -> its own trie and cursor, while it runs
         self.pending: deque[list[int]] = deque()  # released text for the shared trie (`idle_work`)
@@ -130,6 +138,14 @@ class NgramWorker:
         self.target = target_runner
         self.req_to_token_pool, self.allocator = req_to_token_pool, allocator
         self.device = target_runner.device
+
+    def _warm_shared_cache(self) -> NgramCache:
+        """A new shared trie holding the warm corpus (its texts in file order: with more than the
+        capacity holds, the last ones stay)."""
+        cache = new_ngram_cache(self.config)
+        for text in self.corpus:
+            cache.insert(text)
+        return cache
 
     def after_prefill(self, reqs: list[Req], lens: list[int], batch: ForwardBatch, output: ModelOutput) -> None:
         """An own trie for every request whose prefill completed: its text goes in when it first asks
@@ -194,8 +210,9 @@ class NgramWorker:
             self.cache.insert(self.pending.popleft())
 
     def flush(self) -> None:
-        """Forget every request's text (`/flush_cache`, with no request in flight)."""
-        self.cache = new_ngram_cache(self.config)
+        """Forget every request's text (`/flush_cache`, with no request in flight); the warm corpus
+        goes in again."""
+        self.cache = self._warm_shared_cache()
         self.text.clear()
         self.pending.clear()
         self.found_sources = {}

@@ -187,6 +187,66 @@ def test_flush_cache_forgets_the_shared_corpus(model_dirs, references) -> None:
     engine.check_pool_balance()
 
 
+def write_corpus(path, texts, vocab_size=256):
+    from treespec.speculative.ngram_corpus import save_corpus
+
+    save_corpus(path, texts, vocab_size)
+    return str(path)
+
+
+def test_a_warm_corpus_changes_drafts_never_outputs_and_survives_a_flush(model_dirs, references, tmp_path) -> None:
+    """--speculative-ngram-corpus: its texts are in the shared trie before any request, so they shape a
+    request's drafts (here wrong successors of every token B says: more drafts, rejected) and never its
+    output; after /flush_cache the trie holds the corpus again, and only it."""
+    b_prompt, b_params = PROMPTS[1], PARAMS[1]
+    b_plain = references["lookup"][1]
+    wrong_pairs = [tok for v in sorted(set(b_plain)) for tok in (v, (v * 7 + 3) % 256)]
+    corpus = write_corpus(tmp_path / "corpus.json.gz", [wrong_pairs * 3, wrong_pairs[::-1]])
+    runs = {}
+    for mode in ("none", "corpus"):
+        engine = engine_for(model_dirs, "lookup", ngram=True, **({"speculative_ngram_corpus": corpus} if mode == "corpus" else {}))
+        start_size = len(engine.scheduler.spec_worker.cache)
+        drafts = record_drafts(engine)
+        out = engine.generate(input_ids=b_prompt, sampling_params=b_params)["output_ids"]
+        engine.check_pool_balance()
+        runs[mode] = (out, list(drafts), start_size, engine)  # a copy: a later record_drafts wraps this one
+    assert runs["none"][2] == 0 < runs["corpus"][2]
+    assert runs["none"][0] == runs["corpus"][0] == b_plain
+    assert sum(map(len, runs["corpus"][1])) > sum(map(len, runs["none"][1]))
+    engine = runs["corpus"][3]
+    assert len(engine.scheduler.spec_worker.cache) > runs["corpus"][2]  # B's text went in after it
+    assert engine.flush_cache()
+    assert len(engine.scheduler.spec_worker.cache) == runs["corpus"][2]
+    drafts = record_drafts(engine)
+    assert engine.generate(input_ids=b_prompt, sampling_params=b_params)["output_ids"] == b_plain
+    assert drafts == runs["corpus"][1]  # the same drafts as right after start
+    engine.check_pool_balance()
+
+
+def test_a_corpus_beyond_the_capacity_keeps_its_last_texts(model_dirs, tmp_path) -> None:
+    """The capacity bounds the corpus like any other text: the trie stays within it."""
+    rng = random.Random(3)
+    texts = [[rng.randrange(256) for _ in range(40)] for _ in range(30)]
+    corpus = write_corpus(tmp_path / "big.json.gz", texts)
+    engine = engine_for(model_dirs, "lookup", ngram=True, speculative_ngram_corpus=corpus,
+                        speculative_ngram_capacity=500)
+    cache = engine.scheduler.spec_worker.cache
+    assert len(cache) == 500
+    assert cache.has_match(texts[-1][:5], 0)  # the last text went in last: it stays
+
+
+def test_a_corpus_for_another_vocabulary_is_refused_naming_the_flag(model_dirs, tmp_path) -> None:
+    from treespec.args import ArgError
+
+    other = write_corpus(tmp_path / "other.json.gz", [[1, 2, 3]], vocab_size=49152)
+    with pytest.raises(ArgError, match="^--speculative-ngram-corpus: .*vocabulary of 49152 tokens, the model has 256"):
+        engine_for(model_dirs, "lookup", ngram=True, speculative_ngram_corpus=other)
+    broken = tmp_path / "broken.json.gz"
+    broken.write_text("not gzip")
+    with pytest.raises(ArgError, match="^--speculative-ngram-corpus: cannot read"):
+        engine_for(model_dirs, "lookup", ngram=True, speculative_ngram_corpus=str(broken))
+
+
 def test_chunked_prefill_stop_tokens_and_tight_pool(model_dirs, references) -> None:
     ref = references["lookup"]
     stop = [out[len(out) // 2] for out in ref[:4]]
@@ -285,10 +345,11 @@ def test_schedule_speculates_only_where_it_says(model_dirs, references, tmp_path
     assert engine.get_stats()["spec_verify_ct"] > 0
 
 
-def default_model_worker(kind: str):
+def default_model_worker(kind: str, corpus: str | None = "none"):
     """The default model's NGRAM worker (auto -> NGRAM with the shipped schedule), built without a model:
-    a runner with only a device and its schedule kind ("cpu", "cpu_avx2", "cuda"), no pools (enough for
-    its schedule and n-gram cache)."""
+    a runner with only a device, its schedule kind ("cpu", "cpu_avx2", "cuda") and vocabulary size, no
+    pools (enough for its schedule and n-gram cache). `corpus`: --speculative-ngram-corpus (default none:
+    an empty shared trie; None: the shipped corpus)."""
     from types import SimpleNamespace
 
     import torch
@@ -296,8 +357,9 @@ def default_model_worker(kind: str):
     from treespec.args import ServerArgs
     from treespec.speculative.ngram_worker import NgramWorker
 
-    runner = SimpleNamespace(device=torch.device("cuda" if kind == "cuda" else "cpu"), schedule_kind=lambda: kind)
-    return NgramWorker(ServerArgs().resolve(), runner, None, None)
+    runner = SimpleNamespace(device=torch.device("cuda" if kind == "cuda" else "cpu"), schedule_kind=lambda: kind,
+                             config=SimpleNamespace(vocab_size=49152))
+    return NgramWorker(ServerArgs(speculative_ngram_corpus=corpus).resolve(), runner, None, None)
 
 
 @pytest.mark.parametrize(("kind", "nodes", "min_accept", "max_speculating_batch"),
@@ -307,7 +369,8 @@ def test_worker_takes_the_shipped_schedule_for_its_device(kind, nodes, min_accep
     """The default model's tuned file holds a CPU, a CPU-with-AVX2-kernels and a CUDA schedule; the worker
     picks by its runner's schedule kind (no CUDA needed: the worker only asks it when it is built).
     nodes and min_accept: at batch 1 and at the largest batch that speculates."""
-    worker = default_model_worker(kind)
+    worker = default_model_worker(kind, corpus=None)
+    assert len(worker.cache) > 0  # the shipped warm corpus went in
     for batch, want_nodes, want_accept in zip((1, max_speculating_batch), nodes, min_accept, strict=True):
         shape = worker.schedule.shape_for(batch)
         assert (shape.num_draft_tokens, worker.min_accept_prob(shape)) == (want_nodes, want_accept)

