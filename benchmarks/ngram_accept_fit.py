@@ -17,7 +17,8 @@
    against a decode step's with the default int8 activations, in process on the AMD host; fp32 on the
    Intel VM measured 1.14 and 0.195), printing verify steps, accepted drafts and the modelled speed-up over plain
    (prefill not counted). Greedy replay is exact for acceptance (the target's tokens are the replies);
-   only the cost is a model.
+   only the cost is a model. The shared trie starts with the shipped warm corpus, as the server's
+   (--corpus none: without it).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import spec_workloads as sw  # noqa: E402
 
 Reply = tuple[list[int], list[int]]  # prompt ids, greedy output ids
+DEFAULT_VOCAB_SIZE = 49152  # the default model's, whose replies and corpus these are
 
 
 def tuning_prompts(tokenizer, n: int) -> dict[str, list[list[int]]]:
@@ -118,13 +120,17 @@ def accepted_along(tokens: list[int], parents: list[int], target: list[int]) -> 
 
 
 def replay(replies: list[Reply], budget: int, min_accept: float, verify_cost: Callable[[int], float],
-           config: NgramConfig | None = None, other_text_weight: float = OTHER_TEXT_WEIGHT) -> dict:
+           config: NgramConfig | None = None, other_text_weight: float = OTHER_TEXT_WEIGHT,
+           corpus: list[list[int]] = ()) -> dict:
     """Draft and verify each reply as the NGRAM worker would, one at a time: from the reply's own trie
     (its prompt and output so far) first, else from a trie of the earlier replies (flushed before the
     set; a reply goes in when it ends) with each node's estimate weighed by `other_text_weight` (0:
-    own text only). Returns verify steps, accepted drafts and the modelled speed-up over plain decoding."""
+    own text only), which starts with `corpus`'s texts (the server's warm corpus). Returns verify steps,
+    accepted drafts and the modelled speed-up over plain decoding."""
     config = config or NgramConfig(min_match_window=2)
     shared = new_ngram_cache(config)
+    for text in corpus:
+        shared.insert(text)
     cost = plain = 0.0
     verifies = accepted = 0
     for prompt, output in replies:
@@ -164,8 +170,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--verify-per-row", type=float, default=0.14)
     p.add_argument("--other-text-weight", type=float, default=OTHER_TEXT_WEIGHT,
                    help="weight of earlier replies' nodes against the threshold (0: each reply's own text only)")
+    p.add_argument("--corpus", default="shipped",
+                   help="warm corpus the replay's shared trie starts with, as the server's "
+                        "(--speculative-ngram-corpus): shipped (the default model's), none, or a file")
     p.add_argument("--json", default="ngram_accept_fit.json")
     args = p.parse_args(argv)
+    corpus: list[list[int]] = []
+    if args.corpus != "none":
+        from treespec.drafts import ngram_corpus_path
+        from treespec.speculative.ngram_corpus import load_corpus
+
+        corpus_path = ngram_corpus_path() if args.corpus == "shipped" else args.corpus
+        if corpus_path is None:
+            raise SystemExit("--corpus: no corpus is shipped in this checkout")
+        corpus = load_corpus(corpus_path, DEFAULT_VOCAB_SIZE)
 
     path = Path(args.replies or f"ngram_replies_{args.set}.json")
     if path.is_file():
@@ -193,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         line = f"{workload:11s} "
         for b in budgets:
             for th in thresholds:
-                r = replay(rs, b, th, verify_cost, other_text_weight=args.other_text_weight)
+                r = replay(rs, b, th, verify_cost, other_text_weight=args.other_text_weight, corpus=corpus)
                 rows.append({"workload": workload, "budget": b, "min_accept": th, **r})
                 line += f"{r['speedup']:>10.3f} ({r['verify_steps']:4d}, {r['accepted_drafts']:4d})"
         print(line)

@@ -38,3 +38,17 @@ def test_replay_speculates_on_repeated_text_and_not_below_the_threshold() -> Non
     assert shared["accepted_drafts"] > own_only["accepted_drafts"] + 10
     table = fit.fit_table([replies])
     assert table[12][1] == 1.0  # every 12-token match continued as stored
+
+
+def test_replay_drafts_from_the_warm_corpus_as_the_server_does() -> None:
+    """A reply whose text is only in the corpus drafts from it (the shared trie starts with it)."""
+    fit = load_benchmark("ngram_accept_fit")
+    text = list(range(100, 140))
+
+    def cost(rows: int) -> float:
+        return 1.0 + 0.2 * (rows - 1)
+
+    replies = [([7, 8, 9], text)]
+    warm = fit.replay(replies, budget=8, min_accept=0.4, verify_cost=cost, other_text_weight=1.0, corpus=[text])
+    cold = fit.replay(replies, budget=8, min_accept=0.4, verify_cost=cost, other_text_weight=1.0)
+    assert warm["accepted_drafts"] > cold["accepted_drafts"] + 10
