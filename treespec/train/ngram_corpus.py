@@ -12,10 +12,11 @@ reply's opening matches after the header of any request's reply.
 from __future__ import annotations
 
 import argparse
-import time
+import tempfile
+from pathlib import Path
 
 from treespec.speculative.ngram_corpus import save_corpus
-from treespec.train.data import load_conversations, prompt_ids, split_conversations
+from treespec.train.data import load_conversations, self_distill, split_conversations
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,19 +43,18 @@ def main(argv: list[str] | None = None) -> None:
     from treespec.engine import Engine
 
     engine = Engine(model_path=args.model_path, speculative_algorithm="NONE")
-    tokenizer = engine.tokenizer
     train, _ = split_conversations(load_conversations(args.data), args.holdout)
-    firsts = [c[0]["content"] for c in train[args.skip_conversations:] if c and c[0]["role"] == "user"]
-    prompts = [prompt_ids(tokenizer, text, args.max_prompt_tokens) for text in firsts[:args.num_replies]]
-    params = {"temperature": 0, "max_new_tokens": args.max_new_tokens}
+    convs = train[args.skip_conversations:args.skip_conversations + args.num_replies]
+    # the replies as treespec.train's self-distillation makes them (greedy, batched); its cache file lives
+    # only for this run, so every corpus holds replies made with this run's settings
+    with tempfile.TemporaryDirectory() as tmp:
+        records = self_distill(lambda: engine, engine.tokenizer, convs, Path(tmp) / "replies.jsonl",
+                               args.max_prompt_tokens, args.max_new_tokens, chunk=args.batch_size)
     texts: list[list[int]] = []
-    start = time.perf_counter()
-    for i in range(0, len(prompts), args.batch_size):
-        chunk = prompts[i:i + args.batch_size]
-        for prompt, out in zip(chunk, engine.generate(input_ids=chunk, sampling_params=params), strict=True):
-            header = prompt[len(prompt) - args.header_tokens:] if args.header_tokens else []
-            texts.append(header + out["output_ids"])
-        print(f"{len(texts)}/{len(prompts)} replies, {time.perf_counter() - start:.0f} s", flush=True)
+    for rec in records:
+        prompt_len = rec["loss_mask"].index(1) if 1 in rec["loss_mask"] else len(rec["loss_mask"])
+        header = rec["input_ids"][max(0, prompt_len - args.header_tokens):prompt_len]
+        texts.append(header + rec["input_ids"][prompt_len:])
     vocab_size = engine.scheduler.runner.config.vocab_size
     engine.shutdown()
     save_corpus(args.out, texts, vocab_size,
