@@ -411,7 +411,7 @@ FLAG_HELP = {
     "speculative_ngram_branch_length": "NGRAM: longest n-gram stored (how many recent tokens each insert spans)",
     "speculative_ngram_capacity": "NGRAM: size in nodes of each n-gram trie (the one shared by all requests, "
                                   "each running request's own); least recently used branches are evicted "
-                                  "(~0.4 KB of host memory per node)",
+                                  "(~130 B of host memory per node in the C++ trie, ~430 B in the Python fallback)",
     "speculative_ngram_corpus": "NGRAM: token texts put in the shared n-gram trie at start and after /flush_cache "
                                 "(a gzipped JSON corpus file, see python -m treespec.train.ngram_corpus; none = off; "
                                 "default: the corpus shipped for the default model, off for others)",
