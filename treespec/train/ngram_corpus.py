@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
                                args.max_prompt_tokens, args.max_new_tokens, chunk=args.batch_size)
     texts: list[list[int]] = []
     for rec in records:
-        prompt_len = rec["loss_mask"].index(1) if 1 in rec["loss_mask"] else len(rec["loss_mask"])
+        prompt_len = rec["loss_mask"].count(0)  # self_distill masks the prompt with 0s, then the reply with 1s
         header = rec["input_ids"][max(0, prompt_len - args.header_tokens):prompt_len]
         texts.append(header + rec["input_ids"][prompt_len:])
     vocab_size = engine.scheduler.runner.config.vocab_size
