@@ -104,3 +104,24 @@ def test_batched_extend_matches_single(tmp_path: Path) -> None:
                [list(range(101, 121)), list(range(131, 138))])
     assert (both[:20] - la).abs().max() < 1e-4
     assert (both[20:] - lb).abs().max() < 1e-4
+
+
+def test_rope_tables_are_float64_cos_sin_rounded_to_fp32() -> None:
+    """The cos/sin tables are math.cos/sin of the fp32 angles, rounded to fp32, in the rotate-half
+    layout (sin's first half negated). torch's fp32 cos differs from that in ~10 % of entries (its
+    1-ulp error), and on one Intel host its multi-threaded first call was off by ~1e-4 in some
+    processes: each process then ran its own model."""
+    import math
+
+    from treespec.models.layers import RotaryEmbedding, rope_inv_freq
+
+    head_dim, positions = 64, 2048
+    rope = RotaryEmbedding(head_dim, positions, 100000.0, None)
+    inv_freq = rope_inv_freq(head_dim, 100000.0, None).float()
+    half = head_dim // 2
+    for p in (0, 1, 7, 1000, positions - 1):
+        angles = (torch.tensor(float(p)) * inv_freq).tolist()  # the fp32 products the table is built from
+        want_cos = torch.tensor([math.cos(a) for a in angles], dtype=torch.float32)
+        want_sin = torch.tensor([math.sin(a) for a in angles], dtype=torch.float32)
+        assert torch.equal(rope.cos[p, :half], want_cos) and torch.equal(rope.cos[p, half:], want_cos)
+        assert torch.equal(rope.sin[p, :half], -want_sin) and torch.equal(rope.sin[p, half:], want_sin)

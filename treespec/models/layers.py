@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from types import ModuleType
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -88,9 +89,14 @@ class RotaryEmbedding:
         inv_freq = rope_inv_freq(head_dim, theta, scaling).float()
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos()
-        self.sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
+        # cos and sin of the fp32 angles in float64, one thread (numpy), rounded to fp32. Not torch's
+        # fp32 cos: on a 2-vCPU Intel host (2026-11-28) its multi-threaded first call after the weights
+        # loaded gave one thread's half of the table ~1e-4 off in ~1 of 10 processes, and so each
+        # process its own model (greedy outputs differed between two servers of the same flags).
+        angles = freqs.double().numpy()
+        cos, sin = torch.from_numpy(np.cos(angles)).float(), torch.from_numpy(np.sin(angles)).float()
+        self.cos = torch.cat([cos, cos], dim=-1)
+        self.sin = torch.cat([-sin, sin], dim=-1)
 
     def to(self, device: torch.device) -> RotaryEmbedding:
         self.cos, self.sin = self.cos.to(device), self.sin.to(device)
