@@ -99,10 +99,10 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ running requests
     def _gen_reqs(self, ids: list[int], sps: list[dict[str, Any]], field: str | None, return_logprob: bool,
-                  top_logprobs: int) -> list[GenerateReq]:
+                  top_logprobs: int, stream: bool) -> list[GenerateReq]:
         with grammar_errors_named(field):
-            gens = [GenerateReq(ids, parse_sampling_params(sp, openai=True), return_logprob, top_logprobs)
-                    for sp in sps]
+            gens = [GenerateReq(ids, parse_sampling_params(sp, openai=True), return_logprob, top_logprobs,
+                                stream=stream) for sp in sps]
             for g in gens:
                 self.tm.validate(g)
         return gens
@@ -147,7 +147,7 @@ class OpenAIServing:
             raise ApiError("top_logprobs must be in [0, 20]", param="top_logprobs")
         sps = sampling_dicts(req, max_tokens if max_tokens is not None else self._default_max_tokens(len(ids)),
                              grammar)
-        gens = self._gen_reqs(ids, sps, field, req.logprobs, req.top_logprobs or 0)
+        gens = self._gen_reqs(ids, sps, field, req.logprobs, req.top_logprobs or 0, bool(req.stream))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             streams = await self._started(gens, request, field)
@@ -236,7 +236,7 @@ class OpenAIServing:
         grammar, field = grammar_of(req)
         sps = sampling_dicts(req, max_tokens, grammar)
         want_lp = req.logprobs is not None
-        gens = [g for ids in id_lists for g in self._gen_reqs(ids, sps, field, want_lp, req.logprobs or 0)]
+        gens = [g for ids in id_lists for g in self._gen_reqs(ids, sps, field, want_lp, req.logprobs or 0, bool(req.stream))]
         echoes = [self.tm.tokenizer.decode(ids) if req.echo else "" for ids in id_lists]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:

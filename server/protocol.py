@@ -142,7 +142,8 @@ def parse_generate(body: dict[str, Any], tokenizer) -> tuple[list[GenerateReq], 
         params = parse_sampling_params(p)
         extra = {"rid": rids[i]} if rids is not None else {}
         inputs += [GenerateReq(list(ids), params, flags["return_logprob"], top_n, start,
-                               return_text_in_logprobs=flags["return_text_in_logprobs"], **extra)
+                               return_text_in_logprobs=flags["return_text_in_logprobs"], stream=flags["stream"],
+                               **extra)
                    for _ in range(n)]
     # SGLang: n > 1 turns a single prompt into a list of results
     return inputs, single and len(inputs) == 1, flags["stream"]

@@ -138,7 +138,7 @@ class SchedulerLoop:
         it can never run) answers the TokenizerManager with a ReqError rather than ending this loop."""
         try:
             self.scheduler.add_request(msg.rid, msg.input_ids, msg.sampling_params, msg.return_logprob,
-                                       msg.top_logprobs_num, msg.logprob_start_len)
+                                       msg.top_logprobs_num, msg.logprob_start_len, stream=msg.stream)
         except InvalidRequest as e:
             self.to_tokenizer.send(encode(ReqError(msg.rid, str(e), 400, e.param)))
             return

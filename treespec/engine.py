@@ -92,7 +92,7 @@ class Engine:
         With stream=True, a generator of chunks of the same form, each carrying everything so far (a
         batch's chunks also carry "index"); the last chunk of a request has its final text."""
         subs, single = self._submit(prompt, sampling_params, input_ids, return_logprob, top_logprobs_num,
-                                    logprob_start_len, return_text_in_logprobs, rid)
+                                    logprob_start_len, return_text_in_logprobs, rid, stream)
         if stream:
             return self._stream(subs, single)
         results = {sub.rid: _Collected() for sub in subs}
@@ -117,7 +117,7 @@ class Engine:
         stream=True an async generator of chunks). Each scheduler step runs on the event loop and the
         loop gets control between steps, so concurrent calls batch together."""
         subs, single = self._submit(prompt, sampling_params, input_ids, return_logprob, top_logprobs_num,
-                                    logprob_start_len, return_text_in_logprobs, rid)
+                                    logprob_start_len, return_text_in_logprobs, rid, stream)
         if stream:
             return self._async_stream(subs, single)
         results = {sub.rid: _Collected() for sub in subs}
@@ -140,7 +140,8 @@ class Engine:
 
     # ------------------------------------------------------------------ requests in
     def _submit(self, prompt, sampling_params, input_ids, return_logprob: bool, top_logprobs_num: int,
-                logprob_start_len: int, return_text_in_logprobs: bool, rid) -> tuple[list[_Submitted], bool]:
+                logprob_start_len: int, return_text_in_logprobs: bool, rid,
+                stream: bool) -> tuple[list[_Submitted], bool]:
         """Check every request of a call, then queue them all (nothing is queued if one is bad)."""
         if (prompt is None) == (input_ids is None):
             raise InvalidRequest("pass exactly one of prompt or input_ids")
@@ -173,7 +174,8 @@ class Engine:
             planned += [(rids[i] if rids is not None else new_rid(), ids, params) for _ in range(n)]
         subs = []
         for req_rid, ids, params in planned:
-            self.scheduler.add_request(req_rid, ids, params, return_logprob, top_logprobs_num, logprob_start_len)
+            self.scheduler.add_request(req_rid, ids, params, return_logprob, top_logprobs_num, logprob_start_len,
+                                       stream=stream)
             self._inboxes[req_rid] = deque()
             subs.append(_Submitted(req_rid, params, return_logprob, top_logprobs_num, return_text_in_logprobs))
         # SGLang: n > 1 turns a single prompt into a list of results

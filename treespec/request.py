@@ -34,6 +34,11 @@ class Req:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     eos_token_ids: tuple[int, ...] = ()
+    # the caller streams: every step's new tokens go out (`wants_output`); else only the first token
+    # (time to first token) and the finished output, as SGLang sends non-streamed requests' outputs.
+    # Each output costs the served path a message and an incremental detokenization per step: finished-
+    # only outputs made non-streamed requests 5-6 % faster at batch 1 on 2 cores (2026-11-29).
+    stream: bool = False
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: dict | None = None
@@ -138,6 +143,11 @@ class Req:
             info["spec_accept_length"] = self.spec_emitted_tokens / self.spec_verify_ct
             info["spec_accepted_drafts_by_source"] = dict(self.spec_accepted_drafts)
         return info
+
+    def wants_output(self) -> bool:
+        """Whether this step's new tokens go out now: always when streaming or finished, else only the
+        first token (so time to first token is measured) and the finished output."""
+        return self.stream or self.finished or self.sent_len == 0
 
     def take_output(self) -> RequestOutput:
         new = self.output_ids[self.sent_len :]

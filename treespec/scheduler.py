@@ -124,11 +124,13 @@ class Scheduler:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
+        stream: bool = False,
     ) -> Req:
         """Queue a tokenized request. The caller has checked it (treespec.request_checks.check_request:
-        the Engine and the TokenizerManager do); `sampling_params` is valid by construction."""
+        the Engine and the TokenizerManager do); `sampling_params` is valid by construction. `stream`:
+        report its new tokens every step (else at its first token and when it finishes: Req.stream)."""
         req = Req(rid, list(input_ids), sampling_params, return_logprob, top_logprobs_num,
-                  logprob_start_len, eos_token_ids=self.eos_token_ids)
+                  logprob_start_len, eos_token_ids=self.eos_token_ids, stream=stream)
         self._seed_counter += 1
         req.init_sampling_state(self.vocab_size, self._seed_counter)
         if sampling_params.grammar is not None:
@@ -529,12 +531,13 @@ class Scheduler:
         return self._finish_and_take_outputs(reqs)
 
     def _finish_and_take_outputs(self, reqs: list[Req]) -> list[RequestOutput]:
-        """Release the requests a step finished; every request's new tokens as its output."""
+        """Release the requests a step finished; the new tokens of those that report now (Req.wants_output)."""
         outputs = []
         for req in reqs:
             if req.finished:
                 self._finish(req)
-            outputs.append(req.take_output())
+            if req.wants_output():
+                outputs.append(req.take_output())
         return outputs
 
     def _append_sampled(self, reqs: list[Req], tokens: list[int], logprob_info: list) -> None:

@@ -182,6 +182,15 @@ def test_grammar_combined_with_forced_tools_is_refused():
     assert e.value.param == "response_format" and not tm.sent
 
 
+@pytest.mark.parametrize("route,body", [("chat", {"messages": MSGS}), ("completions", {"prompt": "x"})])
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_stream_flag_reaches_the_scheduler(route, body, stream):
+    """A streamed request asks for every step's tokens; a non-streamed one for its first and last only."""
+    tm = ScriptedTM(tokenizer(), "hello")
+    serve(tm, route, {**body, "stream": stream, "n": 2})
+    assert len(tm.sent) == 2 and all(g.stream is stream for g in tm.sent)
+
+
 def test_streamed_tool_calls_keep_every_logprob_and_choice():
     """Tokens whose text the call parser holds back still send their logprobs; n choices stream apart."""
     tm = ScriptedTM(tokenizer(), '{"name": "get_weather", "arguments": {"city": "Oslo"}}')

@@ -46,6 +46,7 @@ def test_parse_generate_forms():
     inputs, single, stream = parse_generate({"text": "ab", "sampling_params": {"max_new_tokens": 3}}, tok)
     # text is encoded with the tokenizer's own special tokens, as SGLang does (here a BOS)
     assert single and not stream and inputs[0].input_ids == [1, 97, 98] and inputs[0].sampling_params.max_new_tokens == 3
+    assert not inputs[0].stream  # the scheduler reports a non-streamed request's first token and its end only
     inputs, single, _ = parse_generate({"text": ["a", "b"], "sampling_params": [{}, {"temperature": 0}]}, tok)
     assert not single and len(inputs) == 2 and inputs[1].sampling_params == SamplingParams(temperature=0)
     inputs, single, _ = parse_generate({"text": "a", "sampling_params": {"n": 2, "stop": "x"}}, tok)
@@ -53,6 +54,7 @@ def test_parse_generate_forms():
     assert inputs[0].sampling_params.stop == ("x",)
     inputs, single, _ = parse_generate({"input_ids": [[1, 2], [3]], "stream": True, "return_logprob": True}, tok)
     assert not single and inputs[1].input_ids == [3] and inputs[0].return_logprob
+    assert all(g.stream for g in inputs)  # each step's tokens reported, for the stream
     inputs, single, _ = parse_generate({"input_ids": [5, 6]}, tok)
     assert single and inputs[0].input_ids == [5, 6]
 

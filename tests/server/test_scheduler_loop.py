@@ -30,13 +30,15 @@ class FakeScheduler:
 
     def __init__(self) -> None:
         self.reqs: dict[str, list] = {}
+        self.streams: dict[str, bool] = {}  # rid -> the stream flag the loop passed on
         self.stats = {"generated_tokens": 0}
         self.start_time = time.time()
 
-    def add_request(self, rid, input_ids, params, *args) -> None:
+    def add_request(self, rid, input_ids, params, *args, stream=False) -> None:
         assert isinstance(params, SamplingParams)  # the message's own object, not rebuilt from a dict
         if not input_ids:  # the Scheduler's contract: InvalidRequest for a request it can never run
             raise InvalidRequest("the prompt is empty", param="prompt")
+        self.streams[rid] = stream
         self.reqs[rid] = [params.max_new_tokens, 0]
 
     def abort_request(self, rid):
@@ -112,6 +114,7 @@ def test_generate_abort_reject_and_control(rig):
     assert settings == DetokenizeSettings("a", ("x",), True, False)  # once, ahead of the outputs
     assert isinstance(first, BatchOutput) and first.items[0].new_token_ids == [7] and not first.items[0].finished
     assert second.items[0].finished and second.items[0].finish_reason["type"] == "length"
+    assert loop.scheduler.streams == {"a": False}
     # a request the scheduler refuses: a ReqError to the TokenizerManager, nothing to the detokenizer
     to_sched.send(encode(GenerateReq([], rid="bad")))
     pump(delivered(loop), 1)

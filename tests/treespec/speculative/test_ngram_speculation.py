@@ -309,6 +309,28 @@ def test_aborts_mid_speculation_balance(model_dirs) -> None:
     assert sched.stats["spec_emitted_tokens"] > sched.stats["spec_verify_ct"]  # drafts were accepted
 
 
+@pytest.mark.parametrize("ngram", [False, True], ids=["plain", "ngram"])
+def test_a_non_streamed_request_reports_its_first_token_and_its_end_only(model_dirs, references, ngram) -> None:
+    """Req.stream: a streamed request's new tokens go out every step, a non-streamed one's at its first
+    token and when it finishes (as SGLang); both carry the same tokens, those of plain decoding."""
+    engine = engine_for(model_dirs, "lookup", ngram)
+    sched = engine.scheduler
+    outputs: dict[str, list] = {"streamed": [], "whole": []}
+    for rid, stream in (("streamed", True), ("whole", False)):
+        sched.add_request(rid, PROMPTS[0], SamplingParams(**PARAMS[0]), stream=stream)
+    steps = 0
+    while sched.has_work():
+        for out in sched.step():
+            outputs[out.rid].append(out)
+        steps += 1
+    sched.check_pool_balance()
+    tokens = {rid: [t for out in outs for t in out.new_token_ids] for rid, outs in outputs.items()}
+    assert tokens["streamed"] == tokens["whole"] == references["lookup"][0]
+    assert [o.finished for o in outputs["whole"]] == [False, True] and len(outputs["whole"][0].new_token_ids) == 1
+    assert len(outputs["streamed"]) == steps > 2  # one a step (the prefill samples the first token)
+    assert not ngram or sched.stats["spec_emitted_tokens"] > sched.stats["spec_verify_ct"]
+
+
 def test_capacity_flag_bounds_the_shared_cache(model_dirs, references) -> None:
     engine = engine_for(model_dirs, "lookup", ngram=True, speculative_ngram_capacity=64,
                         speculative_ngram_branch_length=4)
