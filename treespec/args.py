@@ -95,6 +95,7 @@ class ServerArgs:
     page_size: int = 1
     schedule_conservativeness: float = 1.0
     enable_jump_forward: bool = False
+    stream_interval: int = 1  # a streamed request's tokens go out once this many are new (SGLang's flag)
     # speculative decoding
     # auto: NGRAM with its tuned schedule when serving the embedded default model, else NONE
     speculative_algorithm: str = "auto"  # auto | NONE | EAGLE | EAGLE3 | NGRAM
@@ -164,6 +165,7 @@ class ServerArgs:
         _check(self.chunked_prefill_size > 0, "--chunked-prefill-size", "must be positive")
         _check(self.max_prefill_tokens > 0, "--max-prefill-tokens", "must be positive")
         _check(self.schedule_policy in ("lpm", "fcfs"), "--schedule-policy", "must be lpm or fcfs")
+        _check(self.stream_interval > 0, "--stream-interval", "must be positive")
         _check(self.page_size == 1, "--page-size", "only page size 1 is supported so far")
         _check(0 < self.port < 65536, "--port", f"{self.port} is not a valid port")
         _check(self.num_threads is None or self.num_threads > 0, "--num-threads", "must be positive")
@@ -388,6 +390,8 @@ FLAG_HELP = {
     "enable_jump_forward": "grammar-constrained requests append the text their grammar forces (JSON keys, "
                            "punctuation) without a model step; that text is tokenized on its own, so outputs "
                            "may differ from decoding it token by token (needs the radix cache)",
+    "stream_interval": "a streamed request's new tokens go out once at least this many are waiting (its "
+                       "first token and its end go out at once); larger sends fewer, bigger deltas",
     "speculative_algorithm": "auto | NONE | EAGLE | EAGLE3 | NGRAM; auto = NGRAM on the default model (with "
                              "its tuned schedule: speculate at batch 1), else NONE; NGRAM drafts from n-grams of "
                              "all requests' text (no draft model); EAGLE3 uses the shipped head on the default model",

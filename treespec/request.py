@@ -144,10 +144,13 @@ class Req:
             info["spec_accepted_drafts_by_source"] = dict(self.spec_accepted_drafts)
         return info
 
-    def wants_output(self) -> bool:
-        """Whether this step's new tokens go out now: always when streaming or finished, else only the
-        first token (so time to first token is measured) and the finished output."""
-        return self.stream or self.finished or self.sent_len == 0
+    def wants_output(self, stream_interval: int = 1) -> bool:
+        """Whether the new tokens go out now: the first token (so time to first token is measured) and
+        the finished output always; a streamed request's also once `stream_interval` are waiting
+        (--stream-interval; SGLang's, counted in new tokens since a speculative step adds several)."""
+        if self.finished or self.sent_len == 0:
+            return True
+        return self.stream and len(self.output_ids) - self.sent_len >= stream_interval
 
     def take_output(self) -> RequestOutput:
         new = self.output_ids[self.sent_len :]

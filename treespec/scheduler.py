@@ -536,7 +536,7 @@ class Scheduler:
         for req in reqs:
             if req.finished:
                 self._finish(req)
-            if req.wants_output():
+            if req.wants_output(self.args.stream_interval):
                 outputs.append(req.take_output())
         return outputs
 

@@ -81,6 +81,7 @@ def test_tree_shape_rules_come_from_shapes_py(monkeypatch):
     ("max_total_tokens", 0, "--max-total-tokens"), ("device", "tpu", "--device"),
     ("speculative_draft_dtype", "int8", "--speculative-draft-dtype"), ("num_threads", 0, "--num-threads"),
     ("speculative_draft_model_quantization", "q4_0", "--speculative-draft-model-quantization"),
+    ("stream_interval", 0, "--stream-interval"),
 ])
 def test_bad_values_name_the_flag(field, value, flag):
     with pytest.raises(ArgError, match=f"^{flag}"):

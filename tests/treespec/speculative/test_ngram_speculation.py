@@ -331,6 +331,19 @@ def test_a_non_streamed_request_reports_its_first_token_and_its_end_only(model_d
     assert not ngram or sched.stats["spec_emitted_tokens"] > sched.stats["spec_verify_ct"]
 
 
+@pytest.mark.parametrize("ngram", [False, True], ids=["plain", "ngram"])
+def test_stream_interval_sends_a_streamed_requests_tokens_in_groups(model_dirs, references, ngram) -> None:
+    """--stream-interval 5: a streamed request's first token goes out alone, then its tokens once 5 or
+    more are new, then the rest when it finishes; the same tokens as plain decoding."""
+    engine = engine_for(model_dirs, "lookup", ngram, stream_interval=5)
+    chunks = list(engine.generate(input_ids=PROMPTS[0], sampling_params=PARAMS[0], stream=True))
+    assert chunks[-1]["output_ids"] == references["lookup"][0]
+    lengths = [0] + [len(c["output_ids"]) for c in chunks]  # each chunk carries everything so far
+    sizes = [b - a for a, b in zip(lengths, lengths[1:], strict=False)]
+    assert sizes[0] == 1 and all(s >= 5 for s in sizes[1:-1]) and 1 <= sizes[-1] and len(sizes) >= 3
+    engine.check_pool_balance()
+
+
 def test_capacity_flag_bounds_the_shared_cache(model_dirs, references) -> None:
     engine = engine_for(model_dirs, "lookup", ngram=True, speculative_ngram_capacity=64,
                         speculative_ngram_branch_length=4)
