@@ -41,7 +41,7 @@ class GenerateReq:
     logprob_start_len: int = -1
     rid: str = field(default_factory=_new_rid)  # a client-given rid, or a fresh one
     return_text_in_logprobs: bool = False  # used by the HTTP process only (it has the tokenizer)
-    # the client streams: the scheduler reports its tokens every step (else at the first token and the end)
+    # the client streams: the scheduler reports its tokens as they come (else at the first token and the end)
     stream: bool = False
 
 

@@ -34,10 +34,10 @@ class Req:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     eos_token_ids: tuple[int, ...] = ()
-    # the caller streams: every step's new tokens go out (`wants_output`); else only the first token
-    # (time to first token) and the finished output, as SGLang sends non-streamed requests' outputs.
-    # Each output costs the served path a message and an incremental detokenization per step: finished-
-    # only outputs made non-streamed requests 5-6 % faster at batch 1 on 2 cores (2026-11-29).
+    # the caller streams: its new tokens go out as they come (`wants_output`, --stream-interval); else
+    # only the first token (time to first token) and the finished output, as SGLang sends non-streamed
+    # requests' outputs. Each output costs the served path a message and an incremental detokenization:
+    # finished-only outputs made plain serving ~7 % faster at batch 1 on 2 cores (2026-11-29).
     stream: bool = False
 
     output_ids: list[int] = field(default_factory=list)
@@ -144,7 +144,7 @@ class Req:
             info["spec_accepted_drafts_by_source"] = dict(self.spec_accepted_drafts)
         return info
 
-    def wants_output(self, stream_interval: int = 1) -> bool:
+    def wants_output(self, stream_interval: int) -> bool:
         """Whether the new tokens go out now: the first token (so time to first token is measured) and
         the finished output always; a streamed request's also once `stream_interval` are waiting
         (--stream-interval; SGLang's, counted in new tokens since a speculative step adds several)."""

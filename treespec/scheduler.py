@@ -128,7 +128,8 @@ class Scheduler:
     ) -> Req:
         """Queue a tokenized request. The caller has checked it (treespec.request_checks.check_request:
         the Engine and the TokenizerManager do); `sampling_params` is valid by construction. `stream`:
-        report its new tokens every step (else at its first token and when it finishes: Req.stream)."""
+        report its new tokens as they come (--stream-interval; else at its first token and when it
+        finishes: Req.stream)."""
         req = Req(rid, list(input_ids), sampling_params, return_logprob, top_logprobs_num,
                   logprob_start_len, eos_token_ids=self.eos_token_ids, stream=stream)
         self._seed_counter += 1
