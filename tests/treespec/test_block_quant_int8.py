@@ -52,10 +52,11 @@ def test_int8_kernel_computes_the_formula_on_both_codes(n, k, max_code):
     packed = cpu_linear.load().pack_quant(quant.codes, quant.scales, quant.mins)
     gen = torch.Generator().manual_seed(k)
     bias = torch.randn(n, generator=gen)
-    x = torch.randn(45, k, generator=gen) * torch.rand(45, 1, generator=gen) * 4
+    x = torch.randn(100, k, generator=gen) * torch.rand(100, 1, generator=gen) * 4
     want = reference(x, quant.codes, quant.scales, quant.mins) + bias.double()
     codes = [False, True] if has_vnni() else [False]
-    for rows in (1, 2, 3, 5, 8, 9, 13, 17, 45):
+    # 48 and more rows: the AVX-512 code's 4-bit codes rewritten as bytes (group_rows); 100: two row blocks
+    for rows in (1, 2, 3, 5, 8, 9, 13, 17, 45, 48, 61, 100):
         outs = [run(x[:rows].contiguous(), packed, bias, n, avx512) for avx512 in codes]
         scale = float(want[:rows].abs().max())
         torch.testing.assert_close(outs[0].double(), want[:rows], rtol=0, atol=2e-6 * scale)
@@ -71,9 +72,10 @@ def test_int8_row_results_do_not_depend_on_the_batch(avx512):
     for max_code in (15, 255):
         quant = random_block_quant(72, 192, seed=max_code, max_code=max_code)
         packed = cpu_linear.load().pack_quant(quant.codes, quant.scales, quant.mins)
-        x = torch.randn(37, 192, generator=torch.Generator().manual_seed(3))
+        # 100 rows: on the AVX-512 code, rows in blocks of 48 or more take the 4-bit codes rewritten as bytes
+        x = torch.randn(100, 192, generator=torch.Generator().manual_seed(3))
         batch = run(x, packed, None, 72, avx512)
-        for i in (0, 7, 8, 20, 36):
+        for i in (0, 7, 8, 20, 36, 47, 60, 99):
             assert torch.equal(run(x[i : i + 1].contiguous(), packed, None, 72, avx512)[0], batch[i])
             assert torch.equal(run(x[: i + 1].contiguous(), packed, None, 72, avx512)[i], batch[i])
 
