@@ -103,19 +103,19 @@ static void group_rows(const int8_t* q, const float* xd, const float* xs, int64_
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t p = g * kGroupPanels, col0 = p * kPanel;
     const float* bg = bias ? bias + col0 : nullptr;
+    // every row tile against the group's panels, read as `bits`-bit codes at `codes` (panel `panel0` first)
+    auto row_tiles = [&](auto bits, const uint8_t* codes, int64_t bytes, int64_t panel0) {
+      tile_rows<kRowTile>(rows, [&](auto tile_rows_n, int64_t m) {
+        tile<decltype(bits)::value, decltype(tile_rows_n)::value, kGroupPanels>(
+            q + m * k_dim, xd + m * blocks, xs + m * blocks, k_dim, codes, bytes, panel0, y + m * ldy + col0, ldy,
+            bg, n - col0);
+      });
+    };
     if (unpack) {
       unpack_group(data + g * blocks * block_bytes, blocks, block_bytes, block_bytes8, unpacked.data());
-      tile_rows<kRowTile>(rows, [&](auto tile_rows_n, int64_t m) {
-        tile<8, decltype(tile_rows_n)::value, kGroupPanels>(q + m * k_dim, xd + m * blocks, xs + m * blocks, k_dim,
-                                                            unpacked.data(), block_bytes8, 0, y + m * ldy + col0, ldy,
-                                                            bg, n - col0);
-      });
-      continue;
+      row_tiles(std::integral_constant<int, 8>{}, unpacked.data(), block_bytes8, 0);
+    } else {
+      row_tiles(std::integral_constant<int, BITS>{}, data, block_bytes, p);
     }
-    tile_rows<kRowTile>(rows, [&](auto tile_rows_n, int64_t m) {
-      tile<BITS, decltype(tile_rows_n)::value, kGroupPanels>(q + m * k_dim, xd + m * blocks, xs + m * blocks, k_dim,
-                                                             data, block_bytes, p, y + m * ldy + col0, ldy, bg,
-                                                             n - col0);
-    });
   }
 }
