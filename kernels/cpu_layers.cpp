@@ -58,7 +58,11 @@ static std::vector<Linear> linears(const std::vector<torch::Tensor>& data, const
 // h [T, hidden] fp32 (the embeddings); per layer: norms, the four packed matmuls (qkv with optional
 // bias), the layer's K and V buffers. attn: attention's index tensors (qo_indptr, kv_indptr,
 // kv_indices, custom_mask, mask_indptr) as attention/torch_backend.py builds them, attn_avx512 its ISA. capture: layer ids
-// whose input h is returned too (EAGLE-3's auxiliary hidden states), in order.
+// whose input h is returned too (EAGLE-3's auxiliary hidden states), in order. out_rows: where only some rows'
+// outputs are wanted (a prefill's last rows, for their logits), those row ids, and out_attn the five index tensors
+// of attention for those rows alone; empty: every row. The last layer then stores every row's K and V but
+// computes the rest of the layer for those rows only (as llama.cpp does): the same bits for them, since each
+// row's attention, matmuls and norms depend on that row alone.
 std::tuple<torch::Tensor, std::vector<torch::Tensor>> decoder_layers(
     torch::Tensor h, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& loc,
     const std::vector<torch::Tensor>& attn, bool attn_avx512, double scale, int64_t num_heads, int64_t head_dim, double eps,
@@ -68,11 +72,14 @@ std::tuple<torch::Tensor, std::vector<torch::Tensor>> decoder_layers(
     const std::vector<int64_t>& o_mode, const std::vector<torch::Tensor>& gate_up_data, int64_t gate_up_n,
     const std::vector<int64_t>& gate_up_mode, const std::vector<torch::Tensor>& down_data, int64_t down_n,
     const std::vector<int64_t>& down_mode, std::vector<torch::Tensor> k_bufs, std::vector<torch::Tensor> v_bufs,
-    const std::vector<int64_t>& capture) {
+    const std::vector<int64_t>& capture, const torch::Tensor& out_rows, const std::vector<torch::Tensor>& out_attn) {
   const size_t layers = input_norm.size();
   TORCH_CHECK(post_norm.size() == layers && k_bufs.size() == layers && v_bufs.size() == layers,
               "decoder_layers: one norm pair and one K/V buffer pair per layer expected");
   TORCH_CHECK(attn.size() == 5, "decoder_layers: attn must hold the five attention index tensors");
+  const bool prune = out_rows.numel() > 0;
+  TORCH_CHECK(!prune || (out_attn.size() == 5 && out_rows.scalar_type() == torch::kInt64 && out_rows.dim() == 1),
+              "decoder_layers: out_rows must be int64 row ids with the five attention index tensors for them");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == torch::kFloat32,
               "decoder_layers: h must be contiguous fp32 [T, hidden]");
   const std::vector<torch::Tensor> none(layers);
@@ -80,7 +87,7 @@ std::tuple<torch::Tensor, std::vector<torch::Tensor>> decoder_layers(
   const auto o = linears(o_data, none, o_n, o_mode, layers, "o");
   const auto gate_up = linears(gate_up_data, none, gate_up_n, gate_up_mode, layers, "gate_up");
   const auto down = linears(down_data, none, down_n, down_mode, layers, "down");
-  const int64_t tokens = h.size(0), q_size = num_heads * head_dim;
+  const int64_t q_size = num_heads * head_dim;
   std::vector<torch::Tensor> captured;
   size_t next_capture = 0;
   for (size_t i = 0; i < layers; ++i) {
@@ -92,8 +99,16 @@ std::tuple<torch::Tensor, std::vector<torch::Tensor>> decoder_layers(
     auto x = rms_norm(h, input_norm[i], eps);
     auto qkv_out = qkv[i](x);
     rope_store(qkv_out, cos, sin, loc, k_bufs[i], v_bufs[i], num_heads);
-    auto q = qkv_out.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
-    auto att = attention(q, k_bufs[i], v_bufs[i], attn[0], attn[1], attn[2], attn[3], attn[4], scale, attn_avx512);
+    auto q = qkv_out.narrow(1, 0, q_size);
+    const bool last_rows_only = prune && i + 1 == layers;  // every row's K and V are stored above
+    if (last_rows_only) {
+      q = q.index_select(0, out_rows);
+      h = h.index_select(0, out_rows);
+    }
+    const auto& a = last_rows_only ? out_attn : attn;
+    const int64_t tokens = q.size(0);
+    auto att = attention(q.view({tokens, num_heads, head_dim}), k_bufs[i], v_bufs[i], a[0], a[1], a[2], a[3], a[4],
+                         scale, attn_avx512);
     auto attn_out = o[i](att.view({tokens, q_size}));
     auto [residual, normed] = add_rms_norm(attn_out, h, post_norm[i], eps);
     h = residual + down[i](silu_mul(gate_up[i](normed)));

@@ -2,10 +2,13 @@
 
 Contract: `decoder_layers(h, cos, sin, loc, attn, attn_avx512, scale, num_heads, head_dim, eps, input_norm, post_norm,
 qkv_data, qkv_bias, qkv_n, qkv_mode, o_data, o_n, o_mode, gate_up_data, gate_up_n, gate_up_mode,
-down_data, down_n, down_mode, k_bufs, v_bufs, capture)` returns (h, [h at the input of each layer in
-`capture`]) after every layer, computed by the same kernel calls as models/llama.py's Python loop
+down_data, down_n, down_mode, k_bufs, v_bufs, capture, out_rows, out_attn)` returns (h, [h at the input of each
+layer in `capture`]) after every layer, computed by the same kernel calls as models/llama.py's Python loop
 (rms_norm, the packed matmuls, rope_store, attention, add_rms_norm, silu_mul), in the same order:
-bit-identical results. Lists hold one entry per layer; mode 0 = panels (`cpu_linear.linear`), 1 / 2 =
+bit-identical results. Where `out_rows` (int64 row ids) is not empty, h comes back for those rows only: the
+last layer stores every row's K and V and computes the rest for those rows, `out_attn` being the five index
+tensors of their attention (the same bits for them: each row's attention, matmuls and norms read that row
+alone). Lists hold one entry per layer; mode 0 = panels (`cpu_linear.linear`), 1 / 2 =
 block quant with the AVX2 / AVX-512 code, 3 / 4 = block quant with int8 activations (AVX2 / AVX-512
 VNNI code); an empty bias tensor means none; `attn` is the five index tensors of
 attention/torch_backend.py's kernel path and `attn_avx512` whether attention runs its AVX-512 code
@@ -50,7 +53,8 @@ def _probe(module: ModuleType) -> None:
     got, _ = module.decoder_layers(h, cos, sin, loc, list(attn), False, dim**-0.5, heads, dim, 1e-6, [ones], [ones],
                                    [module.pack(w["qkv"])], [empty], w["qkv"].shape[0], [0], [module.pack(w["o"])],
                                    hidden, [0], [module.pack(w["gate_up"])], 2 * inter, [0],
-                                   [module.pack(w["down"])], hidden, [0], [k_buf], [v_buf], [])
+                                   [module.pack(w["down"])], hidden, [0], [k_buf], [v_buf], [],
+                                   torch.zeros(0, dtype=torch.int64), [])
 
     def norm(x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)

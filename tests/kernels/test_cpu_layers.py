@@ -105,3 +105,40 @@ def test_models_off_the_kernel_path_keep_the_python_loop(tmp_path):
     assert bf16.model.layer_stack is None
     unpacked = ModelRunner(tmp_path / "llama", torch.float32, CPU, kv_pool_size=64, packed_linear=False)
     assert unpacked.model.layer_stack is None
+
+
+def test_a_prefill_wanting_last_rows_computes_the_last_layer_for_them_alone(tmp_path):
+    """A prefill whose logits rows are each request's last: the C++ loop stores every row's K and V, then
+    runs the last layer for those rows only (`LayerStack.last_rows_attention`); the logits and the KV of
+    every layer equal the Python loop's, which computes every row. A batch wanting other rows (a prompt's
+    logprobs) keeps every row."""
+    from model_factory import make_tiny_model
+
+    path = make_tiny_model("llama", tmp_path / "llama")
+    block_quant_weights(path)
+    fused = ModelRunner(path, torch.float32, CPU, kv_pool_size=64)
+    python = ModelRunner(path, torch.float32, CPU, kv_pool_size=64)
+    python.model.layer_stack = None
+    stack, seen = fused.model.layer_stack, []
+    stack_forward = stack.forward
+
+    def recorded(*args, **kwargs):
+        out = stack_forward(*args, **kwargs)
+        seen.append((args[-1] is not None, out[0].shape[0]))
+        return out
+
+    object.__setattr__(stack, "forward", recorded)
+
+    def prefill(rows: list[int]) -> ForwardBatch:
+        return ForwardBatch(mode=ForwardMode.EXTEND, input_ids=torch.arange(3, 23),
+                            positions=torch.cat([torch.arange(12), torch.arange(8)]), out_cache_loc=torch.arange(1, 21),
+                            attn=build_metadata([12, 8], [torch.arange(1, 13), torch.arange(13, 21)]),
+                            logits_indices=torch.tensor(rows))
+
+    for rows, pruned in (([11, 19], True), ([5, 11, 19], False)):
+        got, want = fused.forward(prefill(rows)), python.forward(prefill(rows))
+        assert seen[-1] == (pruned, len(rows) if pruned else 20)
+        assert torch.equal(got.logits, want.logits) and torch.equal(got.hidden_states, want.hidden_states)
+        for layer in range(fused.model.config.num_layers):
+            for a, b in zip(fused.kv_pool.get_kv(layer), python.kv_pool.get_kv(layer), strict=True):
+                assert torch.equal(a[:21], b[:21])

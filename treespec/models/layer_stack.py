@@ -15,10 +15,11 @@ from types import ModuleType
 import torch
 
 from treespec.forward_batch import ForwardBatch, ForwardContext
-from treespec.kernels import cpu_layers
+from treespec.kernels import cpu_attention, cpu_layers
 from treespec.models.packed_linear import PackedLinear, PackedWeight
 
 _NO_BIAS = torch.zeros(0)
+_ALL_ROWS = torch.zeros(0, dtype=torch.int64)  # decoder_layers' out_rows for "every row"
 
 
 def _mode(packed: PackedWeight) -> int | None:
@@ -82,12 +83,31 @@ class LayerStack:
         return (getattr(ctx.attn_backend, "kernel_args", None) is not None and h.dtype == torch.float32
                 and not torch.is_grad_enabled())
 
+    @staticmethod
+    def last_rows_attention(batch: ForwardBatch, ctx: ForwardContext) -> tuple | None:
+        """Where a causal batch wants outputs of each request's last row only (a prefill's logits rows:
+        `logits_indices`), the attention index tensors for those rows alone (each a one-row request over
+        all of its request's KV); else None."""
+        wanted = batch.logits_indices
+        qo_indptr, kv_indptr, kv_indices, custom_mask, _ = ctx.attn_backend.kernel_args
+        if wanted is None or custom_mask.numel() > 0 or wanted.numel() >= int(qo_indptr[-1]):
+            return None
+        if not torch.equal(wanted.to(qo_indptr.device), qo_indptr[1:] - 1):
+            return None
+        one_row_each = torch.arange(qo_indptr.numel(), dtype=torch.int64)
+        return one_row_each, kv_indptr, kv_indices, cpu_attention.EMPTY_MASK, cpu_attention.EMPTY_INDPTR
+
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-                ctx: ForwardContext, capture: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(h after every layer, h at the input of each layer in `capture`)."""
+                ctx: ForwardContext, capture: tuple[int, ...], last_rows: tuple | None = None
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(h after every layer, h at the input of each layer in `capture`). last_rows: from
+        `last_rows_attention`: h comes back for batch.logits_indices' rows only, the last layer computed
+        past its K and V for those rows alone (a prefill's other rows feed nothing after it)."""
         layers = len(self.weights[0])
         kv = [ctx.kv_pool.get_kv(i) for i in range(layers)]
+        out_rows = _ALL_ROWS if last_rows is None else batch.logits_indices.to(torch.int64).contiguous()
         return self.kernel.decoder_layers(
             h.contiguous(), cos.contiguous(), sin.contiguous(), batch.out_cache_loc.contiguous(),
             list(ctx.attn_backend.kernel_args), ctx.attn_backend.avx512, self.scale, self.num_heads, self.head_dim, self.eps, *self.weights,
-            [k for k, _ in kv], [v for _, v in kv], sorted(i for i in capture if i < layers))
+            [k for k, _ in kv], [v for _, v in kv], sorted(i for i in capture if i < layers),
+            out_rows, list(last_rows or ()))

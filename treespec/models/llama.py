@@ -162,8 +162,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, ctx: ForwardContext, return_all_hidden: bool = False) -> ModelOutput:
         h = self.embed_tokens(batch.input_ids)
         cos, sin = self.rotary(batch.positions, h.dtype)
+        pruned = False
         if self.layer_stack is not None and self.layer_stack.applies(h, ctx):
-            h, aux = self.layer_stack.forward(h, cos, sin, batch, ctx, batch.capture_layers)
+            # a prefill's last layer runs past its K and V only for the rows whose logits are wanted
+            last_rows = None if return_all_hidden else self.layer_stack.last_rows_attention(batch, ctx)
+            h, aux = self.layer_stack.forward(h, cos, sin, batch, ctx, batch.capture_layers, last_rows)
+            pruned = last_rows is not None
         else:
             aux = []
             for i, layer in enumerate(self.layers):
@@ -171,7 +175,7 @@ class LlamaForCausalLM(nn.Module):
                     aux.append(h)
                 h = layer.forward(h, cos, sin, batch, ctx)
         h = self.norm.forward(h)
-        rows = h if batch.logits_indices is None else h[batch.logits_indices]
+        rows = h if batch.logits_indices is None or pruned else h[batch.logits_indices]
         logits = head_logits(rows, self.lm_head_weight, self.packed_lm_head)
         if self.tp is not None:  # vocab-parallel: every rank gets all logits, so all sample alike
             logits = self.tp.all_gather_last_dim(logits)[:, : self.vocab_size]
