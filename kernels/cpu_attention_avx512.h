@@ -69,32 +69,61 @@ static inline __m512 exp512(__m512 x) {
   return _mm512_maskz_mov_ps(valid, _mm512_mul_ps(p, _mm512_castsi512_ps(pow2n)));
 }
 
-// softmax_in_place (cpu_attention.cpp) with its exps 16 at a time: the same max, the same exps and the
-// same 8-lane running sum in the same order, so the same bits.
-static inline float softmax_in_place_zmm(float* s, int64_t n) {
+// softmax_in_place (cpu_attention.cpp) with its exps 16 at a time, for N queries at once: query t's
+// scores s[t] over n[t] columns, 1 / their sum in inv[t]. Each query takes the same max, the same exps
+// and the same 8-lane running sum in the same order as alone, so the same bits; the N queries' chains
+// of dependent steps interleave, where one query at a time waited on each of its own (a prefill's
+// queries see ~100 columns: their softmax was mostly those waits).
+template <int N>
+static inline void softmax_rows_zmm(float* const* s, const int64_t* n, float* inv) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  const int64_t padded = (n + 7) / 8 * 8;
-  __m512 mv = _mm512_set1_ps(kNegInf);
-  int64_t j = 0;
-  for (; j + 16 <= padded; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
-  float m = _mm512_reduce_max_ps(mv);
-  for (; j < padded; ++j) m = std::max(m, s[j]);
-  if (n == 0) m = 0.f;
-  const __m512 mb = _mm512_set1_ps(m);
-  __m256 sum = _mm256_setzero_ps();
-  for (j = 0; j + 16 <= padded; j += 16) {
-    const __m512 p = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j), mb));
-    _mm512_storeu_ps(s + j, p);
-    sum = _mm256_add_ps(sum, _mm512_castps512_ps256(p));
-    sum = _mm256_add_ps(sum, _mm512_extractf32x8_ps(p, 1));
+  int64_t padded[N], whole[N], longest = 0;  // whole: where the 16-float blocks end
+  __m512 mv[N];
+#pragma GCC unroll 4
+  for (int t = 0; t < N; ++t) {
+    padded[t] = (n[t] + 7) / 8 * 8;
+    whole[t] = padded[t] / 16 * 16;
+    longest = std::max(longest, whole[t]);
+    mv[t] = _mm512_set1_ps(kNegInf);
   }
-  if (j < padded) {  // one block of 8 left
-    const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm512_castps512_ps256(mb)));
-    _mm256_storeu_ps(s + j, p);
-    sum = _mm256_add_ps(sum, p);
+  for (int64_t j = 0; j < longest; j += 16) {
+#pragma GCC unroll 4
+    for (int t = 0; t < N; ++t)
+      if (j < whole[t]) mv[t] = _mm512_max_ps(mv[t], _mm512_loadu_ps(s[t] + j));
   }
-  const float denom = hsum(sum);
-  return denom > 0.f ? 1.f / denom : 0.f;
+  __m512 mb[N];
+  __m256 sum[N];
+#pragma GCC unroll 4
+  for (int t = 0; t < N; ++t) {
+    float m = _mm512_reduce_max_ps(mv[t]);
+    for (int64_t j = whole[t]; j < padded[t]; ++j) m = std::max(m, s[t][j]);
+    if (n[t] == 0) m = 0.f;
+    mb[t] = _mm512_set1_ps(m);
+    sum[t] = _mm256_setzero_ps();
+  }
+  for (int64_t j = 0; j < longest; j += 16) {
+#pragma GCC unroll 4
+    for (int t = 0; t < N; ++t) {
+      if (j >= whole[t]) continue;
+      const __m512 p = exp512(_mm512_sub_ps(_mm512_loadu_ps(s[t] + j), mb[t]));
+      _mm512_storeu_ps(s[t] + j, p);
+      sum[t] = _mm256_add_ps(sum[t], _mm512_castps512_ps256(p));
+      sum[t] = _mm256_add_ps(sum[t], _mm512_extractf32x8_ps(p, 1));
+    }
+  }
+#pragma GCC unroll 4
+  for (int t = 0; t < N; ++t) {
+    if (whole[t] < padded[t]) {  // one block of 8 left
+      const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(s[t] + whole[t]), _mm512_castps512_ps256(mb[t])));
+      _mm256_storeu_ps(s[t] + whole[t], p);
+      sum[t] = _mm256_add_ps(sum[t], p);
+    }
+  }
+#pragma GCC unroll 4
+  for (int t = 0; t < N; ++t) {
+    const float denom = hsum(sum[t]);
+    inv[t] = denom > 0.f ? 1.f / denom : 0.f;
+  }
 }
 
 // s[c] = (q . K_c) * scale for the K rows rows[c], c < count <= 16 (columns past count are not stored).
@@ -230,6 +259,8 @@ static void run_unit(const Unit& u, const Request& req, const float* qp, int64_t
       else score_block<NC, false>(qs[t].q, shared_k.data() + j, count, scale, st);
     }
   }
+  std::vector<int64_t> lengths(queries);
+  std::vector<float*> rows(queries);
   for (int64_t t = 0; t < queries; ++t) {
     Query& query = qs[t];
     float* st = s.data() + t * stride;
@@ -237,9 +268,18 @@ static void run_unit(const Unit& u, const Request& req, const float* qp, int64_t
     const int64_t n = shared + static_cast<int64_t>(own_k.size());
     score_columns<NC>(query.q, own_k.data(), static_cast<int64_t>(own_k.size()), scale, st + shared);
     std::fill(st + n, st + (n + 7) / 8 * 8, -std::numeric_limits<float>::infinity());
-    query.inv = softmax_in_place_zmm(st, n);
+    lengths[t] = n;
+    rows[t] = st;
     query.p = st;
   }
+  constexpr int kSoftmaxRows = 4;  // queries whose softmax chains interleave
+  float inv[kSoftmaxRows];
+  for (int64_t t0 = 0; t0 < queries; t0 += kSoftmaxRows)
+    with_tile<kSoftmaxRows>(queries - t0, [&](auto tile) {
+      constexpr int T = decltype(tile)::value;
+      softmax_rows_zmm<T>(rows.data() + t0, lengths.data() + t0, inv);
+      for (int t = 0; t < T; ++t) qs[t0 + t].inv = inv[t];
+    });
   std::vector<Query*> order(queries);
   for (int64_t t = 0; t < queries; ++t) order[t] = &qs[t];
   constexpr int64_t kTile = kPvRegisters / NC;
