@@ -1,0 +1,111 @@
+"""Several engine configurations side by side, in process, greedy, batch 1: the same prompts on every
+engine, the engines' order alternating prompt by prompt so machine drift hits all alike.
+
+    python benchmarks/bench_engine_ab.py --workload code_edit \\
+        --config plain speculative_algorithm=NONE --config default \\
+        --config min1 speculative_ngram_min_match_window_size=1
+
+Each `--config NAME [key=value ...]` is one engine (Engine keyword arguments; integers and floats parsed).
+Prints per engine tok/s, its ratio to the first engine, its verify steps and how many outputs equal the
+first engine's, and writes --json. For two speculative settings against each other (bench_spec_ab.py
+compares a plain and a speculating server; bench_step_cost.py splits one config's step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from spec_workloads import WORKLOADS, workload_prompts  # noqa: E402
+
+
+def parse_value(text: str) -> int | float | str:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_config(items: list[str]) -> tuple[str, dict]:
+    """[NAME, key=value, ...] as (name, Engine keyword arguments)."""
+    name, *pairs = items
+    kwargs = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--config {name}: expected key=value, got {pair!r}")
+        kwargs[key] = parse_value(value)
+    return name, kwargs
+
+
+def measure(engines: dict, prompts: list[list[int]], max_new: int) -> dict:
+    """Every prompt on every engine, the order reversed every other prompt. Per engine: tokens, wall
+    seconds, tok/s, verify steps during the run and the output texts."""
+    before = {name: engine.get_stats().get("spec_verify_ct", 0) for name, engine in engines.items()}
+    wall = dict.fromkeys(engines, 0.0)
+    tokens = dict.fromkeys(engines, 0)
+    texts: dict[str, list[str]] = {name: [] for name in engines}
+    gc.collect()
+    gc.freeze()  # as the server's scheduler process does: start-up objects stay out of the passes
+    try:
+        for i, ids in enumerate(prompts):
+            for name in (list(engines) if i % 2 == 0 else list(reversed(engines))):
+                start = time.perf_counter()
+                out = engines[name].generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": max_new})
+                wall[name] += time.perf_counter() - start
+                tokens[name] += out["meta_info"]["completion_tokens"]
+                texts[name].append(out["text"])
+    finally:
+        gc.unfreeze()
+    return {name: {"tokens": tokens[name], "wall_s": wall[name], "tok_s": tokens[name] / wall[name],
+                   "verify_steps": engine.get_stats().get("spec_verify_ct", 0) - before[name],
+                   "texts": texts[name]} for name, engine in engines.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default="code_edit", choices=WORKLOADS)
+    p.add_argument("--num-prompts", type=int, default=24)
+    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--config", nargs="+", action="append", required=True, metavar="NAME [key=value]",
+                   help="an engine: its name, then Engine keyword arguments (the first is the baseline)")
+    p.add_argument("--json", default="bench_engine_ab.json")
+    args = p.parse_args(argv)
+    configs = dict(parse_config(items) for items in args.config)
+    if len(configs) != len(args.config):
+        raise SystemExit("--config: names must differ")
+
+    from treespec.engine import Engine
+    from treespec.model_loader import resolve_model_path
+    from treespec.tokenizer import load_tokenizer
+
+    prompts = workload_prompts(args.workload, load_tokenizer(resolve_model_path(None)), args.num_prompts)
+    engines = {name: Engine(**kwargs) for name, kwargs in configs.items()}
+    try:
+        for engine in engines.values():  # warm-up
+            engine.generate(input_ids=prompts[0][:32], sampling_params={"temperature": 0, "max_new_tokens": 8})
+        results = measure(engines, prompts, args.max_new_tokens)
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    base = next(iter(results.values()))
+    print(f"{args.workload}, {len(prompts)} prompts, up to {args.max_new_tokens} new tokens, batch 1, greedy")
+    print(f"{'engine':<16} {'tok/s':>8} {'ratio':>7} {'verifies':>9} {'equal':>7}")
+    for name, r in results.items():
+        equal = sum(a == b for a, b in zip(r["texts"], base["texts"], strict=True))
+        r["ratio"], r["equal"] = r["tok_s"] / base["tok_s"], equal
+        print(f"{name:<16} {r['tok_s']:>8.1f} {r['ratio']:>6.3f}x {r['verify_steps']:>9} {equal:>3}/{len(prompts)}")
+    Path(args.json).write_text(json.dumps({"workload": args.workload, "configs": configs, "results": {
+        name: {k: v for k, v in r.items() if k != "texts"} for name, r in results.items()}}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
