@@ -110,12 +110,13 @@ class ServerArgs:
     # EAGLE heads: hot-token list (FR-Spec) the draft picks from; "none" turns off a shipped head's list
     speculative_token_map: str | None = None
     # NGRAM: drafts from a trie of the n-grams in all requests' text (treespec/speculative/ngram_cache.py)
-    # 1, SGLang's: a draft after a one-token match joins the tree only where its estimated acceptance
-    # passes the schedule's threshold (ngram_min_accept_prob), so most such matches draft nothing; the
-    # ones that do paid on three of four held-out workloads (in process, 24 prompts, against 2: code
-    # editing +1.9 %, summarising +1.4 %, multi-turn +1.7 %, chat -1.0 %; docs/performance.md). Before
-    # those thresholds (a fixed 4-node tree) 2 read better: 1.18x plain on chat against 1.07x.
-    speculative_ngram_min_match_window_size: int = 1
+    # None: 1 (SGLang's) where drafts join the tree only above an estimated acceptance (the tuned
+    # schedule's thresholds, or --speculative-ngram-min-accept-prob > 0): then a one-token match drafts
+    # only where its continuation dominates, and those paid on three of four held-out workloads (in
+    # process, 24 prompts, against 2: code editing +1.9 %, summarising +1.4 %, multi-turn +1.7 %, chat
+    # -1.0 %; docs/performance.md). 2 where a tree fills its node budget (a shape without a threshold):
+    # there drafts after a one-token match are mostly wrong (4 nodes: chat 1.18x plain with 2, 1.07x with 1)
+    speculative_ngram_min_match_window_size: int | None = None
     speculative_ngram_max_match_window_size: int = 12
     speculative_ngram_min_bfs_breadth: int = 1
     speculative_ngram_max_bfs_breadth: int = 10
@@ -232,8 +233,9 @@ class ServerArgs:
                     ("speculative_ngram_max_bfs_breadth", "--speculative-ngram-max-bfs-breadth"),
                     ("speculative_ngram_capacity", "--speculative-ngram-capacity")]
         for name, flag in positive:
-            _check(getattr(self, name) >= 1, flag, "must be a positive integer")
-        _check(self.speculative_ngram_max_match_window_size >= self.speculative_ngram_min_match_window_size,
+            value = getattr(self, name)
+            _check(value is None or value >= 1, flag, "must be a positive integer")  # None: min match's auto
+        _check(self.speculative_ngram_max_match_window_size >= (self.speculative_ngram_min_match_window_size or 1),
                "--speculative-ngram-max-match-window-size", "must be >= --speculative-ngram-min-match-window-size")
         _check(self.speculative_ngram_max_bfs_breadth >= self.speculative_ngram_min_bfs_breadth,
                "--speculative-ngram-max-bfs-breadth", "must be >= --speculative-ngram-min-bfs-breadth")
@@ -409,7 +411,9 @@ FLAG_HELP = {
                                             "forwards; the target decides every token, so outputs do not change "
                                             "(default: q8_0 with the shipped heads, else none)",
     "speculative_token_map": "EAGLE: hot-token list the draft picks from; none turns off a shipped head's list",
-    "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix of the context matched against the n-gram cache",
+    "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix of the context matched against the n-gram cache "
+                                               "(default: 1 where nodes need an estimated acceptance, as the tuned "
+                                               "schedule's do; 2 where trees fill their node budget)",
     "speculative_ngram_max_match_window_size": "NGRAM: longest suffix of the context matched (the longest match wins)",
     "speculative_ngram_min_bfs_breadth": "NGRAM: children kept per draft node after the longest match",
     "speculative_ngram_max_bfs_breadth": "NGRAM: children kept per draft node after the shortest match "

@@ -111,7 +111,7 @@ class EagleWorker:
         self.parked: dict[int, DeferredRow] = {}
         # the hybrid's n-gram cache (speculative/hybrid.py): every request's prompt and committed tokens
         self.hybrid_ngram_tokens = args.speculative_hybrid_ngram_tokens
-        self.ngram = new_ngram_cache(hybrid_ngram_config(ngram_config(args))) if self.hybrid_ngram_tokens else None
+        self.ngram = new_ngram_cache(hybrid_ngram_config(ngram_config(args, thresholds=False))) if self.hybrid_ngram_tokens else None
         # rid -> (n-gram node budget, n-gram nodes in this step's tree): per-request adaptivity
         self.ngram_budget: dict[str, tuple[int, int]] = {}
         # rid -> where its text stands in the n-gram cache (TextCursor: tokens inserted, suffix nodes).

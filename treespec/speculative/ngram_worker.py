@@ -57,9 +57,20 @@ OTHER_TEXT_WEIGHT = 0.6
 GRAMMAR_DRAFT_OVERSAMPLE = 2  # a constrained request draws this many times its budget, then keeps the allowed
 
 
-def ngram_config(args: ServerArgs) -> NgramConfig:
+# --speculative-ngram-min-match-window-size's default (None): 1 where draft nodes need an estimated
+# acceptance (a one-token match then drafts only where its continuation dominates), 2 where trees fill
+# their node budget (after a one-token match mostly wrong drafts); ServerArgs' comment has the numbers
+MIN_MATCH_WITH_THRESHOLD, MIN_MATCH_FILLING = 1, 2
+
+
+def ngram_config(args: ServerArgs, thresholds: bool) -> NgramConfig:
+    """The n-gram cache's settings from the flags; `thresholds`: whether draft nodes need an estimated
+    acceptance (it picks the minimum match window where the flag is not given)."""
+    min_match = args.speculative_ngram_min_match_window_size
+    if min_match is None:
+        min_match = MIN_MATCH_WITH_THRESHOLD if thresholds else MIN_MATCH_FILLING
     return NgramConfig(
-        min_match_window=args.speculative_ngram_min_match_window_size,
+        min_match_window=min_match,
         max_match_window=args.speculative_ngram_max_match_window_size,
         min_bfs_breadth=args.speculative_ngram_min_bfs_breadth,
         max_bfs_breadth=args.speculative_ngram_max_bfs_breadth,
@@ -120,7 +131,10 @@ class NgramWorker:
         # on CUDA); without it, the same chain at every batch size
         self.schedule = SpecSchedule.from_flags(args.speculative_config, ndraft - 1, 1, ndraft,
                                                 target_runner.schedule_kind())
-        self.config = ngram_config(args)
+        self.min_accept_prob_flag = args.speculative_ngram_min_accept_prob  # None: each shape's own
+        thresholds = (self.min_accept_prob_flag > 0 if self.min_accept_prob_flag is not None
+                      else any(shape.ngram_min_accept_prob > 0 for _, shape in self.schedule.entries))
+        self.config = ngram_config(args, thresholds)
         # the shared trie's warm corpus (--speculative-ngram-corpus), put in again after every flush
         self.corpus: list[list[int]] = []
         if args.speculative_ngram_corpus is not None:
@@ -129,7 +143,6 @@ class NgramWorker:
             except CorpusError as err:
                 raise ArgError(f"--speculative-ngram-corpus: {err}") from err
         self.cache = self._warm_shared_cache()  # past requests' text, shared (--speculative-ngram-capacity)
-        self.min_accept_prob_flag = args.speculative_ngram_min_accept_prob  # None: each shape's own
         self.text: dict[str, OwnText] = {}  # rid -> its own trie and cursor, while it runs
         self.pending: deque[list[int]] = deque()  # released text for the shared trie (`idle_work`)
         # this step's `draft_source` results from `wants_drafts`, by (rid, context length, threshold), so

@@ -380,7 +380,7 @@ def test_schedule_speculates_only_where_it_says(model_dirs, references, tmp_path
     assert engine.get_stats()["spec_verify_ct"] > 0
 
 
-def default_model_worker(kind: str, corpus: str | None = "none"):
+def default_model_worker(kind: str, corpus: str | None = "none", **flags):
     """The default model's NGRAM worker (auto -> NGRAM with the shipped schedule), built without a model:
     a runner with only a device, its schedule kind ("cpu", "cpu_avx2", "cuda") and vocabulary size, no
     pools (enough for its schedule and n-gram cache). `corpus`: --speculative-ngram-corpus (default none:
@@ -394,7 +394,17 @@ def default_model_worker(kind: str, corpus: str | None = "none"):
 
     runner = SimpleNamespace(device=torch.device("cuda" if kind == "cuda" else "cpu"), schedule_kind=lambda: kind,
                              config=SimpleNamespace(vocab_size=49152))
-    return NgramWorker(ServerArgs(speculative_ngram_corpus=corpus).resolve(), runner, None, None)
+    return NgramWorker(ServerArgs(speculative_ngram_corpus=corpus, **flags).resolve(), runner, None, None)
+
+
+@pytest.mark.parametrize(("kind", "flags", "want"), [
+    ("cpu", {}, 1), ("cuda", {}, 2),  # the CPU schedule has thresholds; the CUDA one fills its budget
+    ("cpu", {"speculative_ngram_min_accept_prob": 0.0}, 2), ("cuda", {"speculative_ngram_min_accept_prob": 0.2}, 1),
+    ("cpu", {"speculative_ngram_min_match_window_size": 3}, 3)])
+def test_the_minimum_match_follows_the_thresholds_unless_given(kind, flags, want) -> None:
+    """--speculative-ngram-min-match-window-size unset: 1 where draft nodes need an estimated acceptance
+    (a schedule entry's threshold or the flag's), 2 where trees fill their node budget; set: as given."""
+    assert default_model_worker(kind, corpus="none", **flags).config.min_match_window == want
 
 
 @pytest.mark.parametrize(("kind", "nodes", "min_accept", "max_speculating_batch"),
