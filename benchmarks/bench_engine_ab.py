@@ -21,28 +21,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_step_cost import engine_kwargs  # noqa: E402
 from spec_workloads import WORKLOADS, workload_prompts  # noqa: E402
-
-
-def parse_value(text: str) -> int | float | str:
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
 
 
 def parse_config(items: list[str]) -> tuple[str, dict]:
     """[NAME, key=value, ...] as (name, Engine keyword arguments)."""
     name, *pairs = items
-    kwargs = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise SystemExit(f"--config {name}: expected key=value, got {pair!r}")
-        kwargs[key] = parse_value(value)
-    return name, kwargs
+    return name, engine_kwargs(pairs, f"--config {name}")
 
 
 def measure(engines: dict, prompts: list[list[int]], max_new: int) -> dict:

@@ -170,13 +170,25 @@ def _measure(engines: dict, timer: Timer, prompts: list[list[int]], max_new: int
     return results
 
 
-def engine_kwargs(items: list[str]) -> dict:
-    """key=value items as Engine keyword arguments (integers as int)."""
+def engine_kwargs(items: list[str], flag: str = "--spec-args") -> dict:
+    """key=value items as Engine keyword arguments (integers and floats parsed; `flag` names the
+    command-line option in the error for an item without "=")."""
     kwargs = {}
     for item in items:
-        key, value = item.split("=", 1)
-        kwargs[key] = int(value) if value.lstrip("-").isdigit() else value
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"{flag}: expected key=value, got {item!r}")
+        kwargs[key] = _parse_value(value)
     return kwargs
+
+
+def _parse_value(text: str) -> int | float | str:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     from treespec.tokenizer import load_tokenizer
 
     prompts = workload_prompts(args.workload, load_tokenizer(resolve_model_path(None)), args.num_prompts)
-    common, spec_kwargs = engine_kwargs(args.common_args), engine_kwargs(args.spec_args)
+    common, spec_kwargs = engine_kwargs(args.common_args, "--common-args"), engine_kwargs(args.spec_args)
     timer = Timer()
     instrument_modules(timer)
     engines = {"plain": load({**common, "speculative_algorithm": "NONE"}, prompts[0], timer),

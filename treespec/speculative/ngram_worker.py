@@ -132,8 +132,7 @@ class NgramWorker:
         self.schedule = SpecSchedule.from_flags(args.speculative_config, ndraft - 1, 1, ndraft,
                                                 target_runner.schedule_kind())
         self.min_accept_prob_flag = args.speculative_ngram_min_accept_prob  # None: each shape's own
-        thresholds = (self.min_accept_prob_flag > 0 if self.min_accept_prob_flag is not None
-                      else any(shape.ngram_min_accept_prob > 0 for _, shape in self.schedule.entries))
+        thresholds = any(self.min_accept_prob(shape) > 0 for _, shape in self.schedule.entries)
         self.config = ngram_config(args, thresholds)
         # the shared trie's warm corpus (--speculative-ngram-corpus), put in again after every flush
         self.corpus: list[list[int]] = []
