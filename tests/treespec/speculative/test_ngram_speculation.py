@@ -408,7 +408,7 @@ def test_the_minimum_match_follows_the_thresholds_unless_given(kind, flags, want
 
 
 @pytest.mark.parametrize(("kind", "nodes", "min_accept", "max_speculating_batch"),
-                         [("cpu", (12, 8), (0.3, 0.7), 16), ("cpu_avx2", (8, 8), (0.5, 0.5), 4),
+                         [("cpu", (12, 8), (0.2, 0.7), 16), ("cpu_avx2", (8, 8), (0.5, 0.5), 4),
                           ("cuda", (8, 8), (0.0, 0.0), 4)])
 def test_worker_takes_the_shipped_schedule_for_its_device(kind, nodes, min_accept, max_speculating_batch) -> None:
     """The default model's tuned file holds a CPU, a CPU-with-AVX2-kernels and a CUDA schedule; the worker
@@ -434,13 +434,15 @@ def test_the_acceptance_threshold_decides_between_a_plain_step_and_a_verify() ->
     req = SimpleNamespace(rid="a", all_ids=[11, 12, 13, 11, 12, 14, 11, 12], kv_len=7, seq_len=8,
                           output_ids=[0], sampling_params=SimpleNamespace(max_new_tokens=64))
     worker.after_prefill([req], [7], None, None)
-    # (11, 12) went on as 13 once and 14 once: each half of the 2-token match's estimate (0.28 < 0.3)
-    assert continuation_accept_prob(2) / 2 < shape.ngram_min_accept_prob
+    # (11, 12) went on as 13 once and 14 once: each half of the 2-token match's estimate (0.28)
+    estimate = continuation_accept_prob(2) / 2
+    assert worker.wants_drafts([req], shape) == (estimate >= shape.ngram_min_accept_prob)
+    worker.min_accept_prob_flag = estimate + 0.02
     assert not worker.wants_drafts([req], shape)
-    worker.min_accept_prob_flag = 0.2
+    worker.min_accept_prob_flag = estimate - 0.02
     assert worker.wants_drafts([req], shape)
     req.all_ids += [14, 11, 12, 14, 11]  # (12, 14, 11) has always gone on as 12: a 3-token match
-    worker.min_accept_prob_flag = None
+    worker.min_accept_prob_flag = estimate + 0.02
     assert worker.wants_drafts([req], shape)
 
 
@@ -485,17 +487,18 @@ def test_own_text_first_then_past_requests_at_a_higher_bar() -> None:
 
     worker = default_model_worker("cpu")
     shape = worker.schedule.shape_for(1)
+    threshold = worker.min_accept_prob_flag = 0.3  # the numbers below are for this threshold
     for text in ([[21, 22, 23, 24, 25]] * 3 + [[31, 32, 33, 34]] + [[41, 42, 43]] * 2 + [[41, 42, 44]]):
         worker.cache.insert(text)  # past requests' text
     # (41, 42) went on as 43 twice in 3: estimated 0.37, above the threshold, below the other-text bar
-    assert shape.ngram_min_accept_prob <= continuation_accept_prob(2) * 2 / 3 < shape.ngram_min_accept_prob / OTHER_TEXT_WEIGHT
+    assert threshold <= continuation_accept_prob(2) * 2 / 3 < threshold / OTHER_TEXT_WEIGHT
     req = SimpleNamespace(rid="a", all_ids=[21, 22, 99, 98, 5, 21, 22], kv_len=6, seq_len=7, grammar=None,
                           output_ids=[0], sampling_params=SimpleNamespace(max_new_tokens=64))
     worker.after_prefill([req], [6], None, None)
 
     def drafts() -> list[int]:
         assert worker.wants_drafts([req], shape)
-        return worker._draft(req, req.all_ids, worker.text["a"], 4, shape.ngram_min_accept_prob)[0]
+        return worker._draft(req, req.all_ids, worker.text["a"], 4, threshold)[0]
 
     assert drafts()[:2] == [99, 98]  # its own continuation of (21, 22), not the shared 23, 24
     req.all_ids += [31, 32]  # its own text has no continuation of (31, 32): the shared trie's, 0.56 >= 0.5
