@@ -13,7 +13,7 @@
 // - softmax is `softmax_in_place` itself;
 // - each output element is one fma chain over the query's dense list of visible columns in order, then
 //   times 1 / sum, as `weighted_sum` and `attend` do.
-// Included by cpu_attention.cpp after Pool, Request, Unit, UnitWork, with_tile, prefetch_row and softmax_in_place.
+// Included by cpu_attention.cpp after Pool, Request, Unit, SlotSpan, UnitWork, with_tile, prefetch_row and softmax_in_place.
 
 namespace attention_avx2 {
 
@@ -106,11 +106,12 @@ static void weighted_sums(Query* const* qs, const float* const* shared_v, int64_
 template <int NC>
 static void run_unit(const Unit& u, const Request& req, const float* qp, int64_t q_row_stride, int64_t num_heads,
                      const Pool& pool, const int64_t* kv_slots, int64_t shared,
-                     const std::vector<std::vector<int64_t>>& own_slots, float scale, float* op) {
-  UnitWork w = gather_unit(u, req, qp, q_row_stride, num_heads, pool, kv_slots, shared, own_slots, op);
+                     const std::vector<SlotSpan>& own_slots, float scale, float* op, UnitWork& w) {
+  gather_unit(u, req, qp, q_row_stride, num_heads, pool, kv_slots, shared, own_slots, op, w);
   const int64_t queries = static_cast<int64_t>(w.qs.size());
   const int64_t stride = (shared + w.longest + 7) / 8 * 8;  // softmax_in_place reads whole 8-float blocks
-  std::vector<float> s(queries * stride);
+  std::vector<float>& s = w.scores;  // every entry a query reads is written below first
+  s.resize(queries * stride);
   for (int64_t j = 0; j < shared; j += 8) {
     const int64_t count = std::min<int64_t>(8, shared - j);
     for (int64_t c = j + 8; c < std::min<int64_t>(j + 16, shared); ++c) prefetch_row(w.shared_k[c], 16 * NC);
@@ -127,7 +128,8 @@ static void run_unit(const Unit& u, const Request& req, const float* qp, int64_t
     query.inv = softmax_in_place(st, n);
     query.p = st;
   }
-  std::vector<Query*> order(queries);
+  std::vector<Query*>& order = w.order;
+  order.resize(queries);
   for (int64_t t = 0; t < queries; ++t) order[t] = &w.qs[t];
   for (int64_t t0 = 0; t0 < queries; t0 += kPvQueries)
     with_tile<kPvQueries>(queries - t0, [&](auto tile) {

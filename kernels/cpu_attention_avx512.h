@@ -16,7 +16,7 @@
 //   computes each element alone).
 // Every query still attends to its own dense list of visible columns (the shared prefix first, then its
 // own visible columns after it), so a tree-verify row equals the decode of its path, as before.
-// Included by cpu_attention.cpp after Pool, Request, Unit, UnitWork, with_tile, prefetch_row and softmax_in_place.
+// Included by cpu_attention.cpp after Pool, Request, Unit, SlotSpan, UnitWork, with_tile, prefetch_row and softmax_in_place.
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
@@ -234,14 +234,15 @@ static void weighted_sums(Query* const* qs, const float* const* shared_v, int64_
 template <int NC>
 static void run_unit(const Unit& u, const Request& req, const float* qp, int64_t q_row_stride, int64_t num_heads,
                      const Pool& pool, const int64_t* kv_slots, int64_t shared,
-                     const std::vector<std::vector<int64_t>>& own_slots, float scale, float* op) {
-  UnitWork w = gather_unit(u, req, qp, q_row_stride, num_heads, pool, kv_slots, shared, own_slots, op);
+                     const std::vector<SlotSpan>& own_slots, float scale, float* op, UnitWork& w) {
+  gather_unit(u, req, qp, q_row_stride, num_heads, pool, kv_slots, shared, own_slots, op, w);
   std::vector<Query>& qs = w.qs;
   const std::vector<const float*>&shared_k = w.shared_k, &shared_v = w.shared_v;
   const int64_t longest = w.longest;
   const int64_t queries = static_cast<int64_t>(qs.size());
   const int64_t stride = (shared + longest + 7) / 8 * 8;  // softmax_in_place reads whole 8-float blocks
-  std::vector<float> s(queries * stride);
+  std::vector<float>& s = w.scores;  // every entry a query reads is written below first
+  s.resize(queries * stride);
   for (int64_t j = 0; j < shared; j += 16) {
     const int64_t count = std::min<int64_t>(16, shared - j);
     for (int64_t c = j + 16; c < std::min<int64_t>(j + 32, shared); ++c) prefetch_row(shared_k[c], 16 * NC);
@@ -259,8 +260,10 @@ static void run_unit(const Unit& u, const Request& req, const float* qp, int64_t
       else score_block<NC, false>(qs[t].q, shared_k.data() + j, count, scale, st);
     }
   }
-  std::vector<int64_t> lengths(queries);
-  std::vector<float*> rows(queries);
+  std::vector<int64_t>& lengths = w.lengths;
+  std::vector<float*>& rows = w.score_rows;
+  lengths.resize(queries);
+  rows.resize(queries);
   for (int64_t t = 0; t < queries; ++t) {
     Query& query = qs[t];
     float* st = s.data() + t * stride;
@@ -280,7 +283,8 @@ static void run_unit(const Unit& u, const Request& req, const float* qp, int64_t
       softmax_rows_zmm<T>(rows.data() + t0, lengths.data() + t0, inv);
       for (int t = 0; t < T; ++t) qs[t0 + t].inv = inv[t];
     });
-  std::vector<Query*> order(queries);
+  std::vector<Query*>& order = w.order;
+  order.resize(queries);
   for (int64_t t = 0; t < queries; ++t) order[t] = &qs[t];
   constexpr int64_t kTile = kPvRegisters / NC;
   for (int64_t t0 = 0; t0 < queries; t0 += kTile)

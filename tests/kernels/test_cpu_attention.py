@@ -46,6 +46,29 @@ def test_matches_reference_causal_and_masked(heads: int, kv_heads: int, head_dim
     torch.testing.assert_close(kernel_attention(q, k_buf, v_buf, qo_lens, kv_slots, masks, scale, avx512), masked)
 
 
+@pytest.mark.parametrize("avx512", ISAS)
+def test_masks_with_long_visible_prefixes(avx512: bool):
+    """Tree masks: each row sees a long run of leading columns (the kernel skips whole mask bytes of it
+    to find the columns every row sees), then holes; runs ending at every bit of a byte, and at none."""
+    heads, kv_heads, head_dim = 9, 3, 64
+    k_buf, v_buf, g = random_pool(300, kv_heads, head_dim, 7)
+    qo_lens, kv_lens = [6, 5, 8], [97, 64, 131]
+    kv_slots = [torch.randperm(299, generator=g)[:n] + 1 for n in kv_lens]
+    q = torch.randn(sum(qo_lens), heads, head_dim, generator=g)
+    masks = []
+    for qn, kn in zip(qo_lens, kv_lens, strict=True):
+        m = torch.rand(qn, kn, generator=g) < 0.5
+        for i in range(qn):
+            run = kn if i == qn - 1 else kn - 40 + 3 * i + int(torch.randint(0, 8, (1,), generator=g))
+            m[i, :run] = True
+            if run < kn:
+                m[i, run] = False  # the run ends exactly here
+        masks.append(m)
+    want = cpu_attention.reference_attention(q, k_buf, v_buf, qo_lens, kv_slots, masks, head_dim**-0.5)
+    got = kernel_attention(q, k_buf, v_buf, qo_lens, kv_slots, masks, head_dim**-0.5, avx512)
+    torch.testing.assert_close(got, want)
+
+
 @pytest.mark.skipif(not HAS_AVX512, reason="this CPU has no AVX-512")
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 48), (2, 1, 16)])
 def test_avx512_code_gives_the_avx2_codes_bits(heads: int, kv_heads: int, head_dim: int):
