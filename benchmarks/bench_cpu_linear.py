@@ -10,10 +10,11 @@ code on an AVX-512 CPU.
     python benchmarks/bench_cpu_linear.py                         # SmolLM2-135M's shapes, fp32
     python benchmarks/bench_cpu_linear.py --rows 1,2,4,8 --json cpu_linear.json
     python benchmarks/bench_cpu_linear.py --step-layout               # one packed step: apart vs gathered
+    python benchmarks/bench_cpu_linear.py --rows 1,8,12 --cached      # the same weight again: compute alone
 
 Rows = tokens in the forward: 1 is a batch-1 decode, 2-16 a speculative verify, hundreds a prefill
 chunk. Each shape gets enough distinct weights (--weight-mb per shape) that they stream from memory
-instead of sitting in cache, as in a real step.
+instead of sitting in cache, as in a real step (--cached: the first of them over and over instead).
 """
 
 from __future__ import annotations
@@ -78,11 +79,21 @@ def bench_step_layout(repeats: int, copies: int = 3) -> dict:
     return {"step_layout_ms": result, "step_mb": mb}
 
 
+def reuse_first(weights: dict) -> None:
+    """--cached: every list of distinct weights becomes its first weight as many times, so a timed pass
+    reads it from cache: the kernels' compute alone, against the default's streamed weights."""
+    for ways in weights.values():
+        for way, ws in ways.items():
+            ways[way] = [ws[0]] * len(ws)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,2,4,8,16,64,256")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--weight-mb", type=int, default=60, help="distinct weights per shape, in MB")
+    parser.add_argument("--cached", action="store_true",
+                        help="each shape's first weight over and over (from cache): the compute alone")
     parser.add_argument("--step-layout", action="store_true",
                         help="only time one 1-row step's matmuls packed apart vs gathered in step order")
     parser.add_argument("--json", default="bench_cpu_linear.json")
@@ -115,6 +126,8 @@ def main() -> None:
                 for w in weights[(out_f, in_f)][f"panel_q{bits}"]]
     if "panel" in layouts:
         layouts += ["panel_q4", "panel_q8", "panel_q4_int8", "panel_q8_int8"]
+    if args.cached:
+        reuse_first(weights)
 
     def call(way: str, x: torch.Tensor, weight) -> torch.Tensor:
         return F.linear(x, weight) if way == "mkl" else packed_linear(x, weight, None)

@@ -41,3 +41,12 @@ def test_step_layout_times_a_whole_step_apart_and_gathered() -> None:
     assert len({w.data.untyped_storage().data_ptr() for w in step}) == len(step)  # each its own tensor
     result = bench.bench_step_layout(repeats=1, copies=1)
     assert set(result["step_layout_ms"]) == {"apart", "gathered"} and result["step_mb"] > 80
+
+
+def test_cached_reuses_each_lists_first_weight() -> None:
+    bench = load_benchmark("bench_cpu_linear")
+    a, b, c = torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)
+    weights = {(8, 32): {"mkl": [a, b], "panel": [c, b, a]}}
+    bench.reuse_first(weights)
+    assert all(w is a for w in weights[(8, 32)]["mkl"]) and all(w is c for w in weights[(8, 32)]["panel"])
+    assert len(weights[(8, 32)]["panel"]) == 3
