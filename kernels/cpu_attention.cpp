@@ -116,6 +116,9 @@ struct Scratch {
   std::vector<int64_t> visible;  // a masked row's visible slots, in column order
 };
 
+// Whether bit `bit` of a packed mask (FlashInfer's little bit order) is set: that column is visible.
+static inline bool column_visible(const uint8_t* mask, int64_t bit) { return (mask[bit >> 3] >> (bit & 7)) & 1; }
+
 // One query head (its KV head kv_head) of row i of request `req`. The row attends to its visible
 // columns only, taken in order as one dense list: the arithmetic depends on that list alone, not on
 // where masked columns sit, so a tree node equals the plain decode of the same path bit for bit.
@@ -127,7 +130,7 @@ static void attend(const Request& req, int64_t i, int64_t kv_head, const float* 
     scratch.visible.clear();
     for (int64_t j = 0; j < req.kv_len; ++j) {
       const int64_t bit = req.mask_bit + i * req.kv_len + j;
-      if ((mask[bit >> 3] >> (bit & 7)) & 1) scratch.visible.push_back(slots[j]);
+      if (column_visible(mask, bit)) scratch.visible.push_back(slots[j]);
     }
     slots = scratch.visible.data();
     n = static_cast<int64_t>(scratch.visible.size());
@@ -254,12 +257,11 @@ static void with_chunks(int64_t nc, Fn&& fn) {
 // time where it can (a verify's rows see the whole committed prefix: ~300 bits a row, each layer), and
 // never a byte past the bits it checks.
 static int64_t leading_visible(const uint8_t* mask, int64_t bit, int64_t limit) {
-  auto set = [&](int64_t n) { return (mask[(bit + n) >> 3] >> ((bit + n) & 7)) & 1; };
   int64_t n = 0;
   for (; n < limit && ((bit + n) & 7) != 0; ++n)
-    if (!set(n)) return n;
+    if (!column_visible(mask, bit + n)) return n;
   while (n + 8 <= limit && mask[(bit + n) >> 3] == 0xFF) n += 8;
-  while (n < limit && set(n)) ++n;
+  while (n < limit && column_visible(mask, bit + n)) ++n;
   return n;
 }
 
@@ -278,18 +280,13 @@ static void attention_units(const std::vector<Request>& reqs, int64_t num_rows, 
     const Request& req = reqs[b];
     const int64_t* req_slots = slots + req.kv_start;
     if (req.mask_bit < 0) continue;  // causal: per unit below
-    auto visible = [&](int64_t i, int64_t j) {
-      const int64_t bit = req.mask_bit + i * req.kv_len + j;
-      return (mask[bit >> 3] >> (bit & 7)) & 1;
-    };
     int64_t common = req.kv_len;
     for (int64_t i = 0; i < req.q_len; ++i) common = leading_visible(mask, req.mask_bit + i * req.kv_len, common);
     shared[b] = req.q_len > 0 ? common : 0;
-    for (int64_t i = 0; i < req.q_len; ++i)
-      for (int64_t j = shared[b]; j < req.kv_len; ++j)
-        if (visible(i, j)) masked_tails[req.q_start + i].push_back(req_slots[j]);
     for (int64_t i = 0; i < req.q_len; ++i) {
-      const auto& listed = masked_tails[req.q_start + i];
+      std::vector<int64_t>& listed = masked_tails[req.q_start + i];
+      for (int64_t j = shared[b]; j < req.kv_len; ++j)
+        if (column_visible(mask, req.mask_bit + i * req.kv_len + j)) listed.push_back(req_slots[j]);
       tails[req.q_start + i] = {listed.data(), static_cast<int64_t>(listed.size())};
     }
   }
