@@ -2,13 +2,16 @@
 //
 // Why: a batch-1 decode step of the default model runs ~11 kernel calls per layer over 30 layers, and
 // the Python around them (module dispatch, checks, slicing, ~40 small ops a layer) costs about as much
-// as the attention itself. This loop makes the very same kernel calls, in the same order, from C++:
-// the results are bit-identical to the Python loop (models/llama.py), only the glue is gone.
+// as the attention itself. This loop computes what the Python loop's kernel calls compute, in the same
+// order, from C++: the results are bit-identical to the Python loop (models/llama.py), only the glue is
+// gone. The per-row ops before a matmul (norms, residual adds, the SiLU gate) run as that matmul's
+// `fill`, inside its parallel region (Linear::filled), with cpu_norm.cpp's row code.
 //
 // Built as one extension with cpu_linear.cpp, cpu_norm.cpp and cpu_attention.cpp compiled without
 // their own Python modules (TREESPEC_NO_MODULE), so the functions below are theirs.
 #include <torch/extension.h>
 
+#include <functional>
 #include <tuple>
 #include <vector>
 
@@ -18,10 +21,11 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, c10::optional<
                            bool avx512);
 torch::Tensor linear_quant_int8(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n,
                                 bool avx512);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
-                                                      double eps);
-torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor linear_quant_int8_filled(torch::Tensor x, const std::function<void(int64_t, int64_t)>& fill,
+                                       torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n, bool avx512);
+void norm_row(const float* h, const float* w, float* y, int64_t d, float eps);
+void add_norm_row(const float* x, const float* residual, float* h, const float* w, float* y, int64_t d, float eps);
+void silu_mul_row(const float* g, float* out, int64_t inter);
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_buf, const torch::Tensor& v_buf,
                         const torch::Tensor& qo_indptr, const torch::Tensor& kv_indptr,
                         const torch::Tensor& kv_indices, const torch::Tensor& custom_mask,
@@ -29,17 +33,33 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_buf, cons
 void rope_store(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& loc,
                 torch::Tensor& k_buf, torch::Tensor& v_buf, int64_t num_heads);
 
+constexpr int64_t kFillGrainRows = 64;  // cpu_norm.cpp's kGrainRows
+
 // One packed matmul as models/packed_linear.py runs it. mode: 0 = fp32/bf16 panels (`linear`),
 // 1 = block quant, AVX2 code, 2 = block quant, AVX-512 code, 3 / 4 = block quant with int8 activations
 // (`linear_quant_int8`), AVX2 / AVX-512 VNNI code. An empty bias means none.
 struct Linear {
   torch::Tensor data, bias;
   int64_t n, mode;
-  torch::Tensor operator()(const torch::Tensor& x) const {
+  c10::optional<torch::Tensor> bias_or_none() const {
     c10::optional<torch::Tensor> b;
     if (bias.numel() > 0) b = bias;
-    if (mode >= 3) return linear_quant_int8(x, data, b, n, mode == 4);
-    return mode == 0 ? linear(x, data, b, n) : linear_quant(x, data, b, n, mode == 2);
+    return b;
+  }
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (mode >= 3) return linear_quant_int8(x, data, bias_or_none(), n, mode == 4);
+    return mode == 0 ? linear(x, data, bias_or_none(), n) : linear_quant(x, data, bias_or_none(), n, mode == 2);
+  }
+  // x's rows written by fill(r0, r1) first (a per-row op: norm, SiLU gate), then the matmul. The int8
+  // matmul runs fill inside its parallel region (linear_quant_int8_filled); the others after it, split
+  // across the threads as the norm kernels split rows (kFillGrainRows).
+  torch::Tensor filled(const torch::Tensor& x, const std::function<void(int64_t, int64_t)>& fill) const {
+    if (mode >= 3) return linear_quant_int8_filled(x, fill, data, bias_or_none(), n, mode == 4);
+    {
+      pybind11::gil_scoped_release no_gil;
+      at::parallel_for(0, x.size(0), kFillGrainRows, fill);
+    }
+    return (*this)(x);
   }
 };
 
@@ -87,17 +107,48 @@ std::tuple<torch::Tensor, std::vector<torch::Tensor>> decoder_layers(
   const auto o = linears(o_data, none, o_n, o_mode, layers, "o");
   const auto gate_up = linears(gate_up_data, none, gate_up_n, gate_up_mode, layers, "gate_up");
   const auto down = linears(down_data, none, down_n, down_mode, layers, "down");
-  const int64_t q_size = num_heads * head_dim;
+  const int64_t q_size = num_heads * head_dim, hidden = h.size(1);
+  const float epsf = static_cast<float>(eps);
   std::vector<torch::Tensor> captured;
   size_t next_capture = 0;
+  // The residual stream entering a layer is h, or, where `pending`, residual + y (the previous layer's
+  // MLP output not added yet): the next layer's first matmul adds it row by row before its norm.
+  torch::Tensor residual, y;
+  bool pending = false;
+  auto settle = [&] {
+    if (pending) h = residual + y;
+    pending = false;
+  };
   for (size_t i = 0; i < layers; ++i) {
     if (next_capture < capture.size() && capture[next_capture] == static_cast<int64_t>(i)) {
+      settle();
       captured.push_back(h);
       ++next_capture;
     }
-    // models/llama.py's DecoderLayer.forward and Attention.forward (the rope_store path), call by call
-    auto x = rms_norm(h, input_norm[i], eps);
-    auto qkv_out = qkv[i](x);
+    // models/llama.py's DecoderLayer.forward and Attention.forward (the rope_store path), op by op; each
+    // norm, residual add and SiLU gate runs as its matmul's `fill`, row by row, the same code as
+    // cpu_norm.cpp's calls (so the same bits)
+    const int64_t rows = h.size(0);
+    auto x = torch::empty({rows, hidden}, h.options());
+    const float* in_w = input_norm[i].data_ptr<float>();
+    float* xp = x.data_ptr<float>();
+    torch::Tensor qkv_out;
+    if (pending) {
+      auto summed = torch::empty({rows, hidden}, h.options());
+      const float *yp = y.data_ptr<float>(), *rp = residual.data_ptr<float>();
+      float* sp = summed.data_ptr<float>();
+      qkv_out = qkv[i].filled(x, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r)
+          add_norm_row(yp + r * hidden, rp + r * hidden, sp + r * hidden, in_w, xp + r * hidden, hidden, epsf);
+      });
+      h = summed;
+      pending = false;
+    } else {
+      const float* hp = h.data_ptr<float>();
+      qkv_out = qkv[i].filled(x, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) norm_row(hp + r * hidden, in_w, xp + r * hidden, hidden, epsf);
+      });
+    }
     rope_store(qkv_out, cos, sin, loc, k_bufs[i], v_bufs[i], num_heads);
     auto q = qkv_out.narrow(1, 0, q_size);
     const bool last_rows_only = prune && i + 1 == layers;  // every row's K and V are stored above
@@ -110,9 +161,25 @@ std::tuple<torch::Tensor, std::vector<torch::Tensor>> decoder_layers(
     auto att = attention(q.view({tokens, num_heads, head_dim}), k_bufs[i], v_bufs[i], a[0], a[1], a[2], a[3], a[4],
                          scale, attn_avx512);
     auto attn_out = o[i](att.view({tokens, q_size}));
-    auto [residual, normed] = add_rms_norm(attn_out, h, post_norm[i], eps);
-    h = residual + down[i](silu_mul(gate_up[i](normed)));
+    // post-attention: h + attn_out, normed, in gate_up's fill; the SiLU gate in down's
+    auto summed = torch::empty({tokens, hidden}, h.options()), normed = torch::empty({tokens, hidden}, h.options());
+    const float *ap = attn_out.data_ptr<float>(), *hp = h.data_ptr<float>(), *post_w = post_norm[i].data_ptr<float>();
+    float *sp = summed.data_ptr<float>(), *np = normed.data_ptr<float>();
+    auto gate_up_out = gate_up[i].filled(normed, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        add_norm_row(ap + r * hidden, hp + r * hidden, sp + r * hidden, post_w, np + r * hidden, hidden, epsf);
+    });
+    const int64_t inter = gate_up_out.size(1) / 2;
+    auto act = torch::empty({tokens, inter}, h.options());
+    const float* gp = gate_up_out.data_ptr<float>();
+    float* actp = act.data_ptr<float>();
+    y = down[i].filled(act, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) silu_mul_row(gp + r * 2 * inter, actp + r * inter, inter);
+    });
+    residual = summed;
+    pending = true;
   }
+  settle();
   TORCH_CHECK(next_capture == capture.size(), "decoder_layers: capture ids must be ascending layer ids");
   return {h, captured};
 }

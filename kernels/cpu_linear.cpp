@@ -12,10 +12,12 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <tuple>
 #include <type_traits>
@@ -500,18 +502,41 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, c10::optional<
 // Whether this CPU runs linear_quant_int8's AVX-512 code (AVX-512 F, BW, VL, DQ and VNNI)
 bool cpu_has_avx512_vnni() { return cpu_has_avx512() && __builtin_cpu_supports("avx512vnni"); }
 
+// The groups [g0, g1) of an int8 matmul over every row of quantized x (q, d, s), a row block at a time
+static void int8_groups(const int8_t* qp, const float* dp, const float* sp, int64_t rows, int64_t k_dim,
+                        int64_t bits, bool avx512, const uint8_t* data, int64_t block_bytes, const float* bp, float* yp,
+                        int64_t n, int64_t g0, int64_t g1) {
+  const int64_t blocks = k_dim / kQuantBlock;
+  for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock) {
+    const int64_t block = std::min(kRowBlock, rows - m0);
+    const int8_t* qb = qp + m0 * k_dim;
+    const float *db = dp + m0 * blocks, *sb = sp + m0 * blocks;
+    float* yb = yp + m0 * n;
+    if (avx512 && bits == 4) int8_avx512::group_rows<4>(qb, db, sb, block, k_dim, data, block_bytes, yb, n, bp, n, g0, g1);
+    else if (avx512) int8_avx512::group_rows<8>(qb, db, sb, block, k_dim, data, block_bytes, yb, n, bp, n, g0, g1);
+    else if (bits == 4) int8_avx2::group_rows<4>(qb, db, sb, block, k_dim, data, block_bytes, yb, n, bp, n, g0, g1);
+    else int8_avx2::group_rows<8>(qb, db, sb, block, k_dim, data, block_bytes, yb, n, bp, n, g0, g1);
+  }
+}
+
 // x @ (scale * code + min)^T (+ bias) with x quantized to int8 per row and block of 32 k (the numerics
 // of cpu_linear_int8.h, not linear_quant's). avx512: the VNNI code (only where cpu_has_avx512_vnni);
 // the AVX2 code otherwise. Both give the same bits, and a row's result does not depend on the others.
-torch::Tensor linear_quant_int8(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n,
-                                bool avx512) {
+//
+// `fill(r0, r1)`, where given, first writes x's rows [r0, r1) (the per-row op before the matmul: a norm,
+// the SiLU gate; cpu_layers.cpp). It runs in the matmul's own parallel region: each thread fills and
+// quantizes its share of the rows, waits for the others, then runs its share of the groups over every
+// row. So a verify's few rows are no longer filled and quantized on one thread while the other waits,
+// and no extra fork and join is paid for it. Which thread computes a row never changes its bits.
+torch::Tensor linear_quant_int8_filled(torch::Tensor x, const std::function<void(int64_t, int64_t)>& fill,
+                                       torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n, bool avx512) {
   const int64_t bits = check_quant_args("linear_quant_int8", x, packed, bias, n), block_bytes = packed.size(2);
   TORCH_CHECK(!avx512 || cpu_has_avx512_vnni(), "linear_quant_int8: this CPU has no AVX-512 VNNI");
-  const int64_t rows = x.size(0), k_dim = x.size(1), blocks = k_dim / kQuantBlock;
+  const int64_t rows = x.size(0), k_dim = x.size(1), blocks = k_dim / kQuantBlock, groups = packed.size(0);
   auto out = torch::empty({rows, n}, x.options());
   auto q = torch::empty({rows, k_dim}, x.options().dtype(torch::kInt8));
   auto scales = torch::empty({2, rows, blocks}, x.options());  // d, then s, per row and block
-  const float* xp = x.data_ptr<float>();
+  float* xp = x.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
   float* dp = scales.data_ptr<float>();
   float* sp = dp + rows * blocks;
@@ -519,24 +544,29 @@ torch::Tensor linear_quant_int8(torch::Tensor x, torch::Tensor packed, c10::opti
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = out.data_ptr<float>();
   pybind11::gil_scoped_release no_gil;
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    quantize_rows(xp + begin * k_dim, end - begin, k_dim, bits, qp + begin * k_dim, dp + begin * blocks,
-                  sp + begin * blocks);
-  });
-  for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock) {
-    const int64_t block = std::min(kRowBlock, rows - m0);
-    const int8_t* qb = qp + m0 * k_dim;
-    const float *db = dp + m0 * blocks, *sb = sp + m0 * blocks;
-    float* yb = yp + m0 * n;
-    // threads split whole groups: no two share a cache line of codes
-    at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
-      if (avx512 && bits == 4) int8_avx512::group_rows<4>(qb, db, sb, block, k_dim, data, block_bytes, yb, n, bp, n, begin, end);
-      else if (avx512) int8_avx512::group_rows<8>(qb, db, sb, block, k_dim, data, block_bytes, yb, n, bp, n, begin, end);
-      else if (bits == 4) int8_avx2::group_rows<4>(qb, db, sb, block, k_dim, data, block_bytes, yb, n, bp, n, begin, end);
-      else int8_avx2::group_rows<8>(qb, db, sb, block, k_dim, data, block_bytes, yb, n, bp, n, begin, end);
-    });
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups)));
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    // the first thread takes the larger share: a decode's one row stays on the calling thread, in
+    // whose cache the previous op left it
+    const int64_t r0 = (rows * t + nt - 1) / nt, r1 = (rows * (t + 1) + nt - 1) / nt;
+    if (r1 > r0) {
+      if (fill) fill(r0, r1);
+      quantize_rows(xp + r0 * k_dim, r1 - r0, k_dim, bits, qp + r0 * k_dim, dp + r0 * blocks, sp + r0 * blocks);
+    }
+#pragma omp barrier
+    // threads split whole groups, contiguous runs as at::parallel_for splits them: no two share a cache
+    // line of codes
+    const int64_t chunk = (groups + nt - 1) / nt, g0 = std::min(groups, t * chunk), g1 = std::min(groups, g0 + chunk);
+    if (g1 > g0) int8_groups(qp, dp, sp, rows, k_dim, bits, avx512, data, block_bytes, bp, yp, n, g0, g1);
   }
   return out;
+}
+
+torch::Tensor linear_quant_int8(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n,
+                                bool avx512) {
+  return linear_quant_int8_filled(x, nullptr, packed, bias, n, avx512);
 }
 
 // linear_quant_int8's quantization of x's rows alone: (q int8 [rows, K] in the codes' k order for

@@ -56,12 +56,30 @@ static void check(const torch::Tensor& x, const torch::Tensor& weight, const cha
               weight.numel() == x.size(1), fn, ": weight must be a contiguous fp32 vector of the row width");
 }
 
+// One row of each per-row op, for the calls below and for cpu_layers.cpp's fused matmul prologues
+// (cpu_linear.cpp's linear_quant_int8_filled): the same code wherever a row is computed, so the same bits.
+void norm_row(const float* h, const float* w, float* y, int64_t d, float eps) {
+  const float r = 1.f / std::sqrt(sum_squares(h, d) / static_cast<float>(d) + eps);
+  scale_row(h, w, r, y, d);
+}
+
+void add_norm_row(const float* x, const float* residual, float* h, const float* w, float* y, int64_t d, float eps) {
+  add_rows(x, residual, h, d);
+  norm_row(h, w, y, d, eps);
+}
+
+void silu_mul_row(const float* g, float* out, int64_t inter) {
+  const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+  for (int64_t i = 0; i < inter; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, x))));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(g + inter + i)));
+  }
+}
+
 static void norm_rows(const float* h, const float* w, float* y, int64_t rows, int64_t d, float eps) {
   at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const float r = 1.f / std::sqrt(sum_squares(h + m * d, d) / static_cast<float>(d) + eps);
-      scale_row(h + m * d, w, r, y + m * d, d);
-    }
+    for (int64_t m = begin; m < end; ++m) norm_row(h + m * d, w, y + m * d, d, eps);
   });
 }
 
@@ -106,15 +124,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
-    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
-    for (int64_t m = begin; m < end; ++m) {
-      const float* g = gp + m * 2 * inter;
-      for (int64_t i = 0; i < inter; i += 8) {
-        const __m256 x = _mm256_loadu_ps(g + i);
-        const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, x))));
-        _mm256_storeu_ps(op + m * inter + i, _mm256_mul_ps(silu, _mm256_loadu_ps(g + inter + i)));
-      }
-    }
+    for (int64_t m = begin; m < end; ++m) silu_mul_row(gp + m * 2 * inter, op + m * inter, inter);
   });
   return out;
 }

@@ -74,19 +74,24 @@ def count_stack_calls(runner: ModelRunner) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("family,quant", [("llama", False), ("llama", True), ("qwen2", False)])
+@pytest.mark.parametrize("family,quant", [("llama", None), ("llama", "fp32"), ("llama", "int8"), ("qwen2", None),
+                                         ("qwen2", "int8")])
 def test_layer_stack_gives_the_python_loops_bits(tmp_path, family, quant):
+    """quant: 4-bit block quants with fp32 or int8 activations (int8: the norms, residual adds and SiLU
+    gate run inside the matmuls' parallel regions, `Linear::filled`), None: fp32 panels."""
     from model_factory import make_tiny_model
 
     path = make_tiny_model(family, tmp_path / family)
     if quant:
         block_quant_weights(path)
-    fused = ModelRunner(path, torch.float32, CPU, kv_pool_size=64)
-    python = ModelRunner(path, torch.float32, CPU, kv_pool_size=64)
+    activations = quant or "fp32"
+    fused = ModelRunner(path, torch.float32, CPU, kv_pool_size=64, block_quant_activations=activations)
+    python = ModelRunner(path, torch.float32, CPU, kv_pool_size=64, block_quant_activations=activations)
     assert fused.model.layer_stack is not None
     if quant:
         avx512 = fused.model.layers[0].mlp.down_proj.packed.avx512
-        assert set(fused.model.layer_stack.weights[5]) == {2 if avx512 else 1}  # qkv: block quant modes
+        modes = {"fp32": (1, 2), "int8": (3, 4)}[quant]  # qkv: block quant modes
+        assert set(fused.model.layer_stack.weights[5]) == {modes[avx512]}
     python.model.layer_stack = None
     calls = count_stack_calls(fused)
     got, want = steps(fused), steps(python)
