@@ -1,5 +1,5 @@
-"""The attention and layer-loop extensions fall back quietly where they cannot build or their load probe
-fails (the model then runs SDPA and the Python layer loop). On an AVX2 machine (CI's) a broken build or
+"""The attention, layer-loop and n-gram trie extensions fall back quietly where they cannot build or their
+load probe fails (the model then runs SDPA and the Python layer loop, NGRAM its Python trie). On an AVX2 machine (CI's) a broken build or
 a code that fails its probe must fail here instead of silently costing the speed-up, and on an AVX-512
 CPU the attention's AVX-512 code must be the one that runs (its probe checks it against the reference)."""
 
@@ -8,15 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treespec.kernels import cpu_attention, cpu_extension, cpu_layers
+from treespec.kernels import cpu_attention, cpu_extension, cpu_layers, ngram_trie
 
 needs_avx2 = pytest.mark.skipif(not cpu_extension.cpu_supports_avx2(), reason="CPU without AVX2")
 
 
 @needs_avx2
-def test_attention_and_layer_loop_load_on_avx2_cpus() -> None:
+def test_attention_layer_loop_and_ngram_trie_load_on_avx2_cpus() -> None:
     assert cpu_attention.load() is not None
     assert cpu_layers.load() is not None
+    assert ngram_trie.load() is not None
 
 
 @needs_avx2
