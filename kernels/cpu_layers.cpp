@@ -132,23 +132,20 @@ std::tuple<torch::Tensor, std::vector<torch::Tensor>> decoder_layers(
     auto x = torch::empty({rows, hidden}, h.options());
     const float* in_w = input_norm[i].data_ptr<float>();
     float* xp = x.data_ptr<float>();
-    torch::Tensor qkv_out;
-    if (pending) {
-      auto summed = torch::empty({rows, hidden}, h.options());
-      const float *yp = y.data_ptr<float>(), *rp = residual.data_ptr<float>();
-      float* sp = summed.data_ptr<float>();
-      qkv_out = qkv[i].filled(x, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r)
-          add_norm_row(yp + r * hidden, rp + r * hidden, sp + r * hidden, in_w, xp + r * hidden, hidden, epsf);
-      });
-      h = summed;
-      pending = false;
-    } else {
-      const float* hp = h.data_ptr<float>();
-      qkv_out = qkv[i].filled(x, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) norm_row(hp + r * hidden, in_w, xp + r * hidden, hidden, epsf);
-      });
-    }
+    // pending: this fill writes the summed residual stream into a new h as it norms it
+    const torch::Tensor h_in = pending ? torch::empty({rows, hidden}, h.options()) : h;
+    const float *yp = pending ? y.data_ptr<float>() : nullptr, *rp = pending ? residual.data_ptr<float>() : nullptr;
+    float* h_in_p = h_in.data_ptr<float>();
+    auto qkv_out = qkv[i].filled(x, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        if (yp != nullptr)
+          add_norm_row(yp + r * hidden, rp + r * hidden, h_in_p + r * hidden, in_w, xp + r * hidden, hidden, epsf);
+        else
+          norm_row(h_in_p + r * hidden, in_w, xp + r * hidden, hidden, epsf);
+      }
+    });
+    h = h_in;
+    pending = false;
     rope_store(qkv_out, cos, sin, loc, k_bufs[i], v_bufs[i], num_heads);
     auto q = qkv_out.narrow(1, 0, q_size);
     const bool last_rows_only = prune && i + 1 == layers;  // every row's K and V are stored above

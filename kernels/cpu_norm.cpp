@@ -102,12 +102,12 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
   const int64_t rows = x.size(0), d = x.size(1);
   {
     pybind11::gil_scoped_release no_gil;
-    const float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>();
-    float* hp = h.data_ptr<float>();
+    const float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>(), *wp = weight.data_ptr<float>();
+    float *hp = h.data_ptr<float>(), *yp = y.data_ptr<float>();
     at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; ++m) add_rows(xp + m * d, rp + m * d, hp + m * d, d);
+      for (int64_t m = begin; m < end; ++m)
+        add_norm_row(xp + m * d, rp + m * d, hp + m * d, wp, yp + m * d, d, static_cast<float>(eps));
     });
-    norm_rows(hp, weight.data_ptr<float>(), y.data_ptr<float>(), rows, d, static_cast<float>(eps));
   }
   return {h, y};
 }
