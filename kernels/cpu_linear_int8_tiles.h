@@ -113,6 +113,10 @@ static void group_rows(const int8_t* q, const float* xd, const float* xs, int64_
     };
     if (unpack) {
       unpack_group(data + g * blocks * block_bytes, blocks, block_bytes, block_bytes8, unpacked.data());
+      if (g + 1 < g1) {  // the next group's codes on their way to L2 while this group's tiles compute
+        const char* next = reinterpret_cast<const char*>(data + (g + 1) * blocks * block_bytes);
+        for (int64_t line = 0; line < blocks * block_bytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T1);
+      }
       row_tiles(std::integral_constant<int, 8>{}, unpacked.data(), block_bytes8, 0);
     } else {
       row_tiles(std::integral_constant<int, BITS>{}, data, block_bytes, p);

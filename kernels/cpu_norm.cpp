@@ -174,7 +174,8 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   pybind11::gil_scoped_release no_gil;
   const float* lp = logits.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {  // 4 rows a task: a decode row stays put
+  // a row a task: a decode row stays on the calling thread, a verify's rows split over the threads
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) op[m] = argmax_row(lp + m * vocab, vocab);
   });
   return out;

@@ -116,6 +116,20 @@ def test_tree_verify_row_is_bit_identical_to_decode(avx512: bool):
 
 
 @pytest.mark.parametrize("avx512", ISAS)
+@pytest.mark.parametrize("chain", [1, 2, 5, 8, 12])
+def test_chain_verify_without_a_mask_gives_the_masked_bits(avx512: bool, chain: int):
+    """A chain's tree mask (node t sees the prefix and nodes 0..t) is bottom-right causal attention over
+    prefix + chain, so verify_batch sends chains without a mask: every row the same bits either way."""
+    k_buf, v_buf, g = random_pool(600, 3, 64, 5)
+    slots = torch.cat([torch.arange(1, 331), torch.arange(400, 400 + chain)])
+    q = torch.randn(chain, 9, 64, generator=g)
+    mask = torch.cat([torch.ones(chain, 330, dtype=torch.bool), torch.ones(chain, chain).tril().bool()], dim=1)
+    masked = kernel_attention(q, k_buf, v_buf, [chain], [slots], [mask], 0.125, avx512)
+    causal = kernel_attention(q, k_buf, v_buf, [chain], [slots], None, 0.125, avx512)
+    assert torch.equal(masked, causal)
+
+
+@pytest.mark.parametrize("avx512", ISAS)
 def test_row_without_visible_columns_is_zero(avx512: bool):
     k_buf, v_buf, g = random_pool(20, 2, 16, 2)
     q = torch.randn(2, 2, 16, generator=g)

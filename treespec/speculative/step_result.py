@@ -77,8 +77,10 @@ def verify_tree_step(
     device = target.device
     node_rows = tree.verify_rows()  # [b][node] -> verify row (padding nodes are not verified)
     verify_slots = allocator.alloc(sum(map(len, node_rows)))
-    # nodes past the context length are never emitted (max_new_tokens stops first); clamp for RoPE
-    positions = tree.positions.clamp(max=target.context_len - 1)
+    # nodes past the context length are never emitted (max_new_tokens stops first); clamp for RoPE (the
+    # host knows whether any node gets there: no tensor op right after a forward where none does)
+    deepest = max(kv_lens) + tree.max_depth
+    positions = tree.positions if deepest < target.context_len else tree.positions.clamp(max=target.context_len - 1)
     vbatch = verify_batch(tree, prefix_slots, verify_slots, positions, capture_layers, device)
     out = target.forward(vbatch, return_all_hidden=return_all_hidden)
     predicted, row_lists = verify_tree_mixed(reqs, out.logits, tree)

@@ -31,6 +31,10 @@ class DraftTree:
     # nodes of each request that are its tree (root + drafts; tree_from_parents): the rest of its n is
     # padding, left out of the verify forward. None: every node of every request is verified
     sizes: list[int] | None = None
+    # every request's tree is a chain (each draft the child of the one before; tree_from_parents): node t
+    # then sees the prefix and nodes 0..t, which is causal attention over prefix + tree, so the verify
+    # batch needs no mask
+    chains: bool = False
 
     @property
     def num_nodes(self) -> int:
@@ -97,23 +101,22 @@ def tree_from_parents(root_tokens: torch.Tensor, draft_tokens: list[list[int]], 
     same parent. Requests with fewer drafts than the largest are padded with orphans (the root's token,
     no parent, linked nowhere, depth 0) that are never accepted and not verified (`DraftTree.sizes`: at
     batch 4 one request's 7 drafts would otherwise add 21 padding rows to the forward). Siblings must
-    carry distinct tokens (tree sampling tries each token once). Built on the host, in numpy arrays that
-    start as all padding, so each request costs work for its real nodes only (16 requests, 3 with drafts:
-    50 us against 230 for a walk over every padded node, warm; right after a forward, with the caches
-    flushed, ~0.2 ms either way)."""
+    carry distinct tokens (tree sampling tries each token once). Built on the host in lists that start as
+    all padding, so each request costs work for its real nodes only, with one tensor at the end.
+    `chains` says whether every request's drafts form a chain (verify_batch then needs no mask)."""
     bs = len(kv_lens)
     n = 1 + max((len(t) for t in draft_tokens), default=0)
-    # one int64 array for the per-node fields, one tensor over it (each torch call costs ~10-60 us on a
-    # CPU right after a forward has flushed the caches): candidates, positions, retrive_index,
-    # next_token, next_sibling
-    links = np.full((5, bs, n), -1, dtype=np.int64)
-    candidates, positions, retrive_index, next_token, next_sibling = links
-    candidates[:] = np.asarray(root_tokens.tolist(), dtype=np.int64)[:, None]
-    positions[:] = np.asarray(kv_lens, dtype=np.int64)[:, None]
-    retrive_index[:] = np.arange(bs * n, dtype=np.int64).reshape(bs, n)
+    # The per-node fields as host lists, one tensor over them at the end (each torch or numpy call costs
+    # ~10-60 us on a CPU right after a forward has flushed the caches): candidates, positions,
+    # retrive_index, next_token, next_sibling
+    candidates = [[root] * n for root in root_tokens.tolist()]
+    positions = [[kv_len] * n for kv_len in kv_lens]
+    next_token = [[-1] * n for _ in range(bs)]
+    next_sibling = [[-1] * n for _ in range(bs)]
     ancestors = np.zeros((bs, n, n), dtype=np.bool_)
-    ancestors[:, np.arange(n), np.arange(n)] = True  # every node sees itself; padding nothing else
+    ancestors.reshape(bs, n * n)[:, :: n + 1] = True  # every node sees itself; padding nothing else
     max_depth = 0
+    chains = True
     for b in range(bs):
         tokens, parent = draft_tokens[b], parents[b]
         if not tokens and not parent:
@@ -123,6 +126,8 @@ def tree_from_parents(root_tokens: torch.Tensor, draft_tokens: list[list[int]], 
         depth = [0] * (1 + len(tokens))
         last_child = [-1] * (1 + len(tokens))  # per node, its latest child so far (children come in order)
         child_tokens: list[set[int]] = [set() for _ in depth]
+        node_tokens, node_positions, node_next, node_sibling = candidates[b], positions[b], next_token[b], next_sibling[b]
+        chain = True  # each draft the child of the one before
         for i, (tok, p) in enumerate(zip(tokens, parent, strict=True)):
             t = i + 1
             if not 0 <= p < t:
@@ -131,23 +136,31 @@ def tree_from_parents(root_tokens: torch.Tensor, draft_tokens: list[list[int]], 
                 raise ValueError(f"request {b}: node {p} has two children with token {tok}")
             child_tokens[p].add(tok)
             depth[t] = depth[p] + 1
-            ancestors[b, t, :t] = ancestors[b, p, :t]  # the parent's ancestors, itself included
+            chain = chain and p == i
             if last_child[p] < 0:
-                next_token[b, p] = t
+                node_next[p] = t
             else:
-                next_sibling[b, last_child[p]] = t
+                node_sibling[last_child[p]] = t
             last_child[p] = t
-        candidates[b, 1 : 1 + len(tokens)] = tokens
-        positions[b, : len(depth)] += depth
+            node_tokens[t] = tok
+            node_positions[t] += depth[t]
+        size = len(depth)
+        if chain:  # node t sees nodes 0..t
+            ancestors[b, :size, :size] = np.tri(size, dtype=np.bool_)
+        else:
+            for t in range(1, size):  # the parent's ancestors, itself included
+                ancestors[b, t, :t] = ancestors[b, parent[t - 1], :t]
         max_depth = max(max_depth, *depth)
-    host_links = tuple(links[[0, 3, 4]].tolist())
-    tensors = torch.from_numpy(links)
+        chains = chains and chain
+    retrive_index = [list(range(b * n, (b + 1) * n)) for b in range(bs)]
+    host_links = (candidates, next_token, next_sibling)
+    tensors = torch.tensor([candidates, positions, retrive_index, next_token, next_sibling], dtype=torch.int64)
     anc = torch.from_numpy(ancestors)
     if root_tokens.device.type != "cpu":
         tensors, anc = tensors.to(root_tokens.device), anc.to(root_tokens.device)
     cand, pos, index, nxt, sib = tensors.unbind(0)
     return DraftTree(cand, pos.reshape(-1), anc, index, nxt, sib, max_depth, host_links,
-                     [1 + len(t) for t in draft_tokens])
+                     [1 + len(t) for t in draft_tokens], chains)
 
 
 def verify_batch(
@@ -166,7 +179,10 @@ def verify_batch(
                 for part in (prefix_slots[b], slots[node_rows[0] : node_rows[0] + sizes[b]].to(prefix_slots[b]))]
     prefix_lens = [int(p.numel()) for p in prefix_slots]
     kv_lens = [prefix + size for prefix, size in zip(prefix_lens, sizes, strict=True)]
-    if tree.ancestors.device.type == "cpu":  # packed on the host in one pass (pack_prefix_tree_masks)
+    on_host = tree.ancestors.device.type == "cpu"
+    if on_host and tree.chains:  # causal over prefix + chain: no mask to build, pack or read per layer
+        packed, masks = None, None
+    elif on_host:  # packed on the host in one pass (pack_prefix_tree_masks)
         ancestors = tree.ancestors.numpy()
         packed = pack_prefix_tree_masks(prefix_lens, [ancestors[b, :size, :size] for b, size in enumerate(sizes)])
         masks = None

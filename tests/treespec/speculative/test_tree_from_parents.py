@@ -79,6 +79,26 @@ def test_padding_is_left_out_of_the_verify_forward():
     assert not even.ragged and even.verify_rows() == [[0, 1], [2, 3], [4, 5]]
 
 
+def test_chains_are_verified_without_a_mask():
+    """Where every request's drafts are a chain, node t sees the prefix and nodes 0..t: causal attention,
+    so the CPU verify batch carries no mask (none to pack, none for the kernel to read every layer);
+    one branching request brings the mask back for the whole batch."""
+    from treespec.speculative.tree import verify_batch
+
+    roots = torch.tensor([5, 6, 7])
+    prefix = [torch.arange(100, 100 + k) for k in (10, 20, 30)]
+    chains = tree_from_parents(roots, [[1, 2], [3], []], [[0, 1], [0], []], [10, 20, 30])
+    assert chains.chains and chains.ancestors[0].tolist() == torch.ones(3, 3).tril().bool().tolist()
+    batch = verify_batch(chains, prefix, torch.arange(500, 506), chains.positions, (), torch.device("cpu"))
+    assert batch.attn.custom_mask is None and batch.attn.qo_indptr.tolist() == [0, 3, 5, 6]
+    branching = tree_from_parents(roots, [[1, 2], [3, 4], []], [[0, 1], [0, 0], []], [10, 20, 30])
+    assert not branching.chains
+    batch = verify_batch(branching, prefix, torch.arange(500, 506), branching.positions, (), torch.device("cpu"))
+    assert batch.attn.custom_mask is not None
+    assert batch.attn.unpacked_mask()[3 * 13 : 3 * 13 + 3 * 23].view(3, 23)[:, 20:].tolist() == \
+        branching.ancestors[1].tolist()
+
+
 def test_no_drafts_anywhere_is_the_root_alone():
     tree = tree_from_parents(torch.tensor([3, 4]), [[], []], [[], []], [7, 9])
     assert tree.num_nodes == 1 and tree.max_depth == 0 and tree.positions.tolist() == [7, 9]
