@@ -3,6 +3,7 @@ KV slots into the accepted nodes' (handed to the Scheduler to commit) and the re
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,6 +94,15 @@ def root_only_tree(root_tokens: torch.Tensor, kv_lens: list[int]) -> DraftTree:
                      torch.arange(bs, device=device).view(bs, 1), none, none.clone(), 0)
 
 
+@functools.lru_cache(maxsize=64)
+def _lower_triangle(size: int) -> np.ndarray:
+    """A chain's ancestor rows (node t sees nodes 0..t), made once per size: np.tri costs ~50 us right
+    after a forward has flushed the caches, a lookup a few."""
+    lower = np.tri(size, dtype=np.bool_)
+    lower.flags.writeable = False
+    return lower
+
+
 def tree_from_parents(root_tokens: torch.Tensor, draft_tokens: list[list[int]], parents: list[list[int]],
                       kv_lens: list[int]) -> DraftTree:
     """A DraftTree from explicit parent links (the NGRAM drafts), with kernels.build_tree's conventions:
@@ -146,7 +156,7 @@ def tree_from_parents(root_tokens: torch.Tensor, draft_tokens: list[list[int]], 
             node_positions[t] += depth[t]
         size = len(depth)
         if chain:  # node t sees nodes 0..t
-            ancestors[b, :size, :size] = np.tri(size, dtype=np.bool_)
+            ancestors[b, :size, :size] = _lower_triangle(size)
         else:
             for t in range(1, size):  # the parent's ancestors, itself included
                 ancestors[b, t, :t] = ancestors[b, parent[t - 1], :t]

@@ -89,3 +89,16 @@ def test_freed_slots_queue_behind_the_free_list_in_order_and_are_copied() -> Non
     assert a.alloc(2).tolist() == [4, 5]
     a.restore_state(state)
     assert a.free_slots.tolist() == [4, 5] and a.available_size() == 2
+
+
+def test_req_to_token_writes_reach_the_table_from_any_slot_tensor():
+    """On a CPU the table's write goes through a numpy view of the same memory: int64 slots (a slice of
+    a verify's slots, strided, made under inference mode) land in the int32 table and read back."""
+    pool = ReqToTokenPool(4, 32)
+    with torch.inference_mode():
+        verify_slots = torch.arange(100, 112)
+        pool.write(2, 5, verify_slots[:4])
+        pool.write(2, 9, verify_slots[4::3])  # strided: 104, 107, 110
+    assert pool.req_to_token.dtype == torch.int32
+    assert pool.read(2, 5, 12).tolist() == [100, 101, 102, 103, 104, 107, 110]
+    assert pool.read(1, 0, 32).eq(0).all() and pool.read(2, 0, 5).eq(0).all()
