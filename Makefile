@@ -32,7 +32,7 @@ test: install
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
 
 lint: install
-	$(VPY) -m ruff check treespec kernels server tests benchmarks
+	$(VPY) -m ruff check treespec server tests benchmarks
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -1,6 +1,6 @@
 """Our CPU kernels on and off, side by side in one process: decode tokens/s of plain and speculative
-(the shipped EAGLE-3 head, its settings) greedy decoding with the attention kernels (`kernels/cpu_attention.cpp`:
-attention, and rope + KV store), the RMSNorm kernel (`kernels/cpu_norm.cpp`) and the block-quantized
+(the shipped EAGLE-3 head, its settings) greedy decoding with the attention kernels (`treespec/kernels/cpu_attention.cpp`:
+attention, and rope + KV store), the RMSNorm kernel (`treespec/kernels/cpu_norm.cpp`) and the block-quantized
 matmul (the GGUF's 32-block codes streamed instead of fp32 panels, `models/block_quant.py`) switched off
 one at a time.
 

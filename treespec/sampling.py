@@ -14,7 +14,7 @@ from treespec.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """The argmax over the last dim, the first maximum on ties (as torch.argmax, NaN counting as the
-    maximum). CPU fp32 rows go through kernels/cpu_norm.cpp's argmax_rows (torch's max(dim) walks a 49k
+    maximum). CPU fp32 rows go through treespec/kernels/cpu_norm.cpp's argmax_rows (torch's max(dim) walks a 49k
     vocabulary at ~40 µs a row on the AMD host, ~0.3 ms of an 8-row tree verify; the kernel 10 µs for one
     row, 29 for eight); elsewhere max(dim), ~3x faster than torch's argmax on CPU."""
     if logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype == torch.float32 and logits.shape[1]:

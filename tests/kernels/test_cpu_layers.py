@@ -1,4 +1,4 @@
-"""kernels/cpu_layers.cpp: every decoder layer in one C++ call gives the Python loop's bits (logits,
+"""treespec/kernels/cpu_layers.cpp: every decoder layer in one C++ call gives the Python loop's bits (logits,
 final hidden states, EAGLE-3's captured layers and the KV written), for decode rows, a tree verify with a
 custom mask and a mixed batch; on fp32 panels, 4-bit block quants and a model with q/k/v biases. Where the
 model or the batch leaves the kernel path, the Python loop runs."""

@@ -1,5 +1,5 @@
 """`--block-quant-activations int8`: block-quant matmuls over input rows quantized to int8 per 32 k
-(kernels/cpu_linear_int8.h). The kernel computes the documented formula (a float64 reference over the
+(treespec/kernels/cpu_linear_int8.h). The kernel computes the documented formula (a float64 reference over the
 same quantization), its AVX2 and AVX-512 VNNI codes give the same bits, a row's result does not depend
 on the other rows, and greedy speculation on the default model still equals plain decoding token for
 token under these numerics."""

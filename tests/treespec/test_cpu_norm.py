@@ -1,4 +1,4 @@
-"""The CPU RMSNorm kernel (kernels/cpu_norm.cpp): torch's results, rows independent of their batch,
+"""The CPU RMSNorm kernel (treespec/kernels/cpu_norm.cpp): torch's results, rows independent of their batch,
 inference only, and the model runners really use it; its SiLU gate and greedy argmax; plus the shared
 extension builder."""
 

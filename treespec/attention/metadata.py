@@ -6,7 +6,7 @@ kv_indices[kv_indptr[b]:kv_indptr[b+1]]. Without a custom mask attention is caus
 bottom-right (query i of a request of qo_len q and kv_len k sees kv columns <= k - q + i), which
 covers EXTEND and DECODE. With a custom mask (TARGET_VERIFY, draft tree modes) each request's
 [qo_len, kv_len] boolean matrix is flattened row-major and bit-packed with little bit order
-(kernels/mask_pack.py); mask_indptr holds the byte offset of each request's packed mask. The torch
+(treespec/kernels/mask_pack.py); mask_indptr holds the byte offset of each request's packed mask. The torch
 backend and the CPU kernel read the packed mask; FlashInfer is handed the boolean mask
 (`unpacked_mask`, see flashinfer_backend.py for why).
 """

@@ -1,7 +1,7 @@
 """CPU / reference attention backend: reads FlashInfer-format metadata and computes attention.
 
 Every fp32 CPU forward (decode, tree verify, draft steps and prefill) goes to the C++ kernel
-`kernels/cpu_attention.cpp`, which reads the pool and the packed mask in place and computes each row
+`treespec/kernels/cpu_attention.cpp`, which reads the pool and the packed mask in place and computes each row
 alone: a row's result depends only on its query and the KV it sees, never on the other rows of the
 batch, so a verify row matches the decode of its token bit for bit, and a prompt's KV is the same
 whether it was prefilled alone, beside other requests or after a prefix-cache hit. Elsewhere (no

@@ -7,7 +7,7 @@ fp32 values into `model.safetensors` and keeps the blocks in `block_quant.safete
 uint8 codes with fp16 scales and mins (Q8_0's signed codes shifted by 128, with min = -128 * scale).
 
 At pack time a linear whose fp32 weight its blocks reproduce bit for bit (checked, not assumed) streams
-the codes through `kernels/cpu_linear.cpp`'s `linear_quant`, whose output equals the fp32 kernel's bit
+the codes through `treespec/kernels/cpu_linear.cpp`'s `linear_quant`, whose output equals the fp32 kernel's bit
 for bit: decoding is faster and prints the same tokens.
 """
 

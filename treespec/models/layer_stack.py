@@ -1,4 +1,4 @@
-"""The decoder layers of a packed Llama-family model run by one C++ call (kernels/cpu_layers.cpp).
+"""The decoder layers of a packed Llama-family model run by one C++ call (treespec/kernels/cpu_layers.cpp).
 
 `LayerStack.for_model` gathers, once at pack time, what the C++ loop needs (every layer's norms and
 packed matmuls) where every layer takes the fp32 kernel path of models/llama.py (CPU norm, rope/store

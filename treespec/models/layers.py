@@ -18,7 +18,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.kernel: ModuleType | None = None  # kernels/cpu_norm.cpp, set by use_cpu_kernels
+        self.kernel: ModuleType | None = None  # treespec/kernels/cpu_norm.cpp, set by use_cpu_kernels
 
     def _kernel_applies(self, x: torch.Tensor) -> bool:
         return self.kernel is not None and x.dtype == torch.float32 and not torch.is_grad_enabled()
@@ -44,8 +44,8 @@ class RMSNorm(nn.Module):
 
 def use_cpu_kernels(model: nn.Module) -> int:
     """Route the fp32 inference forward under `model` through the C++ CPU kernels that build here:
-    every RMSNorm and SiLU gate through kernels/cpu_norm.cpp, every attention's rotary embedding and KV store (modules
-    with a `rope_store_kernel` attribute) through kernels/cpu_attention.cpp. Returns how many modules
+    every RMSNorm and SiLU gate through treespec/kernels/cpu_norm.cpp, every attention's rotary embedding and KV store (modules
+    with a `rope_store_kernel` attribute) through treespec/kernels/cpu_attention.cpp. Returns how many modules
     use one."""
     norm_kernel, attention_kernel = cpu_norm.load(), cpu_attention.load()
     count = 0
@@ -121,7 +121,7 @@ class GatedMLP(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.kernel: ModuleType | None = None  # kernels/cpu_norm.cpp's silu_mul, set by use_cpu_kernels
+        self.kernel: ModuleType | None = None  # treespec/kernels/cpu_norm.cpp's silu_mul, set by use_cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)

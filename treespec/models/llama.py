@@ -42,7 +42,7 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        # kernels/cpu_attention.cpp's rope_store (set by use_cpu_kernels): rope and the KV write in one
+        # treespec/kernels/cpu_attention.cpp's rope_store (set by use_cpu_kernels): rope and the KV write in one
         # call instead of ~10 small torch ops per layer
         self.rope_store_kernel: ModuleType | None = None
 

@@ -13,7 +13,7 @@ layouts, chosen once per (device, dtype):
   codes, fp16 scales and mins;
   models/block_quant.py) where the fp32 weight came from a GGUF Q4_0/Q4_1/Q8_0 tensor and its blocks
   reproduce it exactly: bit-identical results, 0.625 (Q4) or 1.125 (Q8) bytes streamed per weight
-  instead of 4; AVX-512 or AVX2 code chosen at pack time (kernels/cpu_linear.py's quant_avx512).
+  instead of 4; AVX-512 or AVX2 code chosen at pack time (treespec/kernels/cpu_linear.py's quant_avx512).
 - "onednn": oneDNN's blocked layout (`torch.ops.mkldnn`), for bf16 where oneDNN packs it (AVX512 or
   AVX-NE-CONVERT: native bf16 dot products, which matter for prefill) and for fp32 where our kernel
   cannot build.

@@ -3,7 +3,7 @@
 A batch-1 decode step streams every weight once: ~100 MB in ~120 matmuls of 0.2-2 MB each. Packed
 one by one, each weight is its own allocation somewhere in memory, and every matmul starts a cold
 stream. Back to back in one buffer, the step reads one sequential range, and the block-quant tiles'
-prefetch, which runs on past a group's end (kernels/cpu_linear.cpp, kPrefetchBlocks), runs from the
+prefetch, which runs on past a group's end (treespec/kernels/cpu_linear.cpp, kPrefetchBlocks), runs from the
 end of one weight into the start of the next. The bytes are the same, so the results are the same bits.
 The buffer starts on a transparent huge page (treespec/mem/huge_pages.py).
 

@@ -29,7 +29,7 @@ the drafts so far is matched again, so a draft can run past `branch_length`. Dra
 verified: the target decides every emitted token, so one request's text can change another's drafts
 but never its output.
 
-Two implementations of one trie. `NativeNgramCache` (kernels/ngram_trie.cpp) is what the workers take
+Two implementations of one trie. `NativeNgramCache` (treespec/kernels/ngram_trie.cpp) is what the workers take
 (`new_ngram_cache`) wherever the C++ kernels build; `PyNgramCache` is the reference it reproduces step
 for step (the same node ids, counts, recency order, evictions and drafts: a test replays random
 operations on both) and the fallback elsewhere. Both take the same `TextCursor`.
@@ -356,7 +356,7 @@ class PyNgramCache:
 
 
 class NativeNgramCache:
-    """The same trie in C++ (kernels/ngram_trie.cpp): the same node ids, counts, recency order, evictions
+    """The same trie in C++ (treespec/kernels/ngram_trie.cpp): the same node ids, counts, recency order, evictions
     and drafts as `PyNgramCache`, step for step, at ~2 us a prompt token inserted (~40 in Python) and
     ~5x cheaper drafts. Only the tokens a call can reach cross into C++: an insert's from where its new n-grams
     start, a match's last `max_match_window`."""

@@ -20,7 +20,7 @@ from treespec.sampling_params import GREEDY_TEMPERATURE
 
 @dataclass
 class TreeVerifyResult:
-    """Kernel outputs (layouts in kernels/tree_verify.py) plus flat views for the engine."""
+    """Kernel outputs (layouts in treespec/kernels/tree_verify.py) plus flat views for the engine."""
 
     predicts: torch.Tensor  # int64 [bs*n]: token emitted after each accepted row
     accept_index: torch.Tensor  # int64 [bs, max_depth+1]: accepted verify rows, root first, -1 padded
