@@ -11,9 +11,9 @@ One step, with the same division of work as EagleWorker:
      (tree.tree_from_parents), one TARGET_VERIFY forward, rejected slots freed, a `SpecStepResult`.
      Nothing else changes.
   2. The Scheduler commits the result.
-  3. `draft_extend(reqs, result, committed)`: the committed tokens go into the request's own trie.
+  3. `draft_extend(reqs, result, committed)`: nothing; the committed tokens wait for the next step.
 A request's text goes into its own trie when it asks for drafts (`wants_drafts`: the prompt at its first
-decode step, then each plain step's token at the next), all that is new at once. Where the schedule
+decode step, then each step's committed tokens, plain or verified, at the next), all that is new at once. Where the schedule
 decodes plain (above batch 16 on the default CPU schedule), a request never asks. When it leaves
 (`release`) its whole text waits in `pending` for the shared trie, and the Scheduler inserts it while it
 has no requests (`idle_work`, one text at a time), so a loaded server spends no step on inserts into
@@ -167,11 +167,10 @@ class NgramWorker:
                 self.text[req.rid] = OwnText(self.config)
 
     def draft_extend(self, reqs: list[Req], result: SpecStepResult, committed: list[int]) -> None:
-        """Insert each request's committed tokens into its own trie."""
-        for req, num_new in zip(reqs, committed, strict=True):
-            own = self.text.get(req.rid)
-            if own is not None:
-                own.cache.insert(req.all_ids, num_new, own.cursor)
+        """A verify step's committed tokens wait as a plain step's do: the next step's `_catch_up` inserts
+        them with the context list it builds anyway (the own trie sees the same operations in the same
+        order: nothing touches it between this step's commit and the next step's lookups), and a request
+        that finished here inserts nothing."""
 
     def defer_extend(self, reqs: list[Req], tokens: list[int], batch: ForwardBatch, output: ModelOutput) -> None:
         """A plain step's tokens wait: `_catch_up` inserts them when the request drafts or leaves."""
