@@ -13,8 +13,9 @@ One step, with the same division of work as EagleWorker:
   2. The Scheduler commits the result.
   3. `draft_extend(reqs, result, committed)`: nothing; the committed tokens wait for the next step.
 A request's text goes into its own trie when it asks for drafts (`wants_drafts`: the prompt at its first
-decode step, then each step's committed tokens, plain or verified, at the next), all that is new at once. Where the schedule
-decodes plain (above batch 16 on the default CPU schedule), a request never asks. When it leaves
+decode step, then each step's committed tokens, plain or verified, at the next), all that is new at
+once. Where the schedule decodes plain (above batch 16 on the default CPU schedule), a request never
+asks. When it leaves
 (`release`) its whole text waits in `pending` for the shared trie, and the Scheduler inserts it while it
 has no requests (`idle_work`, one text at a time), so a loaded server spends no step on inserts into
 the shared trie. The tries are C++ where it builds (`new_ngram_cache`): ~2 us a prompt token and ~13 us

@@ -467,6 +467,11 @@ def test_plain_step_tokens_wait_for_the_next_draft_or_the_release() -> None:
     assert own.cursor.length == 8 and len(own.cache) > 0 and len(worker.cache) == 0  # its own trie only
     req.all_ids += [11, 12]
     assert worker.wants_drafts([req], shape)  # (11, 12) is in its own text: 13 follows
+    req.all_ids += [13, 14]  # a verify step committed two tokens: they wait for the next step too
+    worker.draft_extend([req], None, [2])
+    assert own.cursor.length == 10
+    assert worker.wants_drafts([req], shape) and own.cursor.length == 12  # (13, 14) went on as 15 before
+    req.all_ids += [11, 12]
     worker.defer_extend([req], [12], None, None)
     req.all_ids.append(13)
     worker.release(req, keep_draft_kv=False)
