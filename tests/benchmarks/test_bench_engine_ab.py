@@ -43,3 +43,26 @@ def test_engines_alternate_on_the_same_prompts(tmp_path) -> None:
     assert plain["tokens"] == ngram["tokens"] == 48
     assert plain["texts"] == ngram["texts"] and len(plain["texts"]) == 2
     assert plain["verify_steps"] == 0 and 0 < ngram["verify_steps"] < ngram["tokens"]
+
+
+def test_concurrent_rounds_start_from_flushed_caches(tmp_path) -> None:
+    """Every engine runs all prompts at once each round; each round starts from flushed caches, so a
+    second round drafts as the first did (unflushed, NGRAM would draft from the first round's replies)."""
+    from treespec.engine import Engine
+
+    bench = load_benchmark("bench_engine_ab")
+    target = lookup_target(tmp_path / "target", Lookup(seed=0), noise=0.07)
+    common = {"model_path": str(target), "dtype": "float32", "max_total_tokens": 4096, "max_running_requests": 2}
+    engines = {"plain": Engine(**common, speculative_algorithm="NONE"),
+               "ngram": Engine(**common, speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)}
+    try:
+        prompts = [[5, 17, 99, 3, 42, 42, 7, 130] * 3, [200, 11, 64, 9, 77, 3] * 3, [8, 1, 250, 31] * 4]
+        first = bench.measure_concurrent(engines, prompts, max_new=24, rounds=1)
+        second = bench.measure_concurrent(engines, prompts, max_new=24, rounds=1)
+        engines["ngram"].scheduler.check_pool_balance()
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    assert first["plain"]["texts"] == first["ngram"]["texts"] == second["ngram"]["texts"]
+    assert first["ngram"]["tokens"] == 72 and len(first["ngram"]["texts"]) == 3
+    assert 0 < first["ngram"]["verify_steps"] == second["ngram"]["verify_steps"]
