@@ -37,10 +37,23 @@ def parse_config(items: list[str]) -> tuple[str, dict]:
     return name, engine_kwargs(pairs, f"--config {name}")
 
 
+def _verify_steps(engines: dict) -> dict[str, int]:
+    """Each engine's verify steps so far."""
+    return {name: engine.get_stats().get("spec_verify_ct", 0) for name, engine in engines.items()}
+
+
+def _results(engines: dict, before: dict[str, int], wall: dict[str, float], tokens: dict[str, int],
+             texts: dict[str, list[str]]) -> dict:
+    """Per engine: tokens, wall seconds, tok/s, verify steps since `before` and the output texts."""
+    after = _verify_steps(engines)
+    return {name: {"tokens": tokens[name], "wall_s": wall[name], "tok_s": tokens[name] / wall[name],
+                   "verify_steps": after[name] - before[name], "texts": texts[name]} for name in engines}
+
+
 def measure(engines: dict, prompts: list[list[int]], max_new: int) -> dict:
     """Every prompt on every engine, the order reversed every other prompt. Per engine: tokens, wall
     seconds, tok/s, verify steps during the run and the output texts."""
-    before = {name: engine.get_stats().get("spec_verify_ct", 0) for name, engine in engines.items()}
+    before = _verify_steps(engines)
     wall = dict.fromkeys(engines, 0.0)
     tokens = dict.fromkeys(engines, 0)
     texts: dict[str, list[str]] = {name: [] for name in engines}
@@ -56,9 +69,7 @@ def measure(engines: dict, prompts: list[list[int]], max_new: int) -> dict:
                 texts[name].append(out["text"])
     finally:
         gc.unfreeze()
-    return {name: {"tokens": tokens[name], "wall_s": wall[name], "tok_s": tokens[name] / wall[name],
-                   "verify_steps": engine.get_stats().get("spec_verify_ct", 0) - before[name],
-                   "texts": texts[name]} for name, engine in engines.items()}
+    return _results(engines, before, wall, tokens, texts)
 
 
 def measure_concurrent(engines: dict, prompts: list[list[int]], max_new: int, rounds: int) -> dict:
@@ -66,7 +77,7 @@ def measure_concurrent(engines: dict, prompts: list[list[int]], max_new: int, ro
     slots allow) from flushed caches, the engines' order rotated by one each round. Per engine as
     `measure` (texts: the last round's; every round's are the same under greedy decoding)."""
     names = list(engines)
-    before = {name: engine.get_stats().get("spec_verify_ct", 0) for name, engine in engines.items()}
+    before = _verify_steps(engines)
     wall = dict.fromkeys(engines, 0.0)
     tokens = dict.fromkeys(engines, 0)
     texts: dict[str, list[str]] = {name: [] for name in engines}
@@ -84,9 +95,7 @@ def measure_concurrent(engines: dict, prompts: list[list[int]], max_new: int, ro
                 gc.unfreeze()
             tokens[name] += sum(out["meta_info"]["completion_tokens"] for out in outs)
             texts[name] = [out["text"] for out in outs]
-    return {name: {"tokens": tokens[name], "wall_s": wall[name], "tok_s": tokens[name] / wall[name],
-                   "verify_steps": engine.get_stats().get("spec_verify_ct", 0) - before[name],
-                   "texts": texts[name]} for name, engine in engines.items()}
+    return _results(engines, before, wall, tokens, texts)
 
 
 def main(argv: list[str] | None = None) -> int:

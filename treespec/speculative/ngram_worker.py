@@ -15,12 +15,11 @@ One step, with the same division of work as EagleWorker:
 A request's text goes into its own trie when it asks for drafts (`wants_drafts`: the prompt at its first
 decode step, then each step's committed tokens, plain or verified, at the next), all that is new at
 once. Where the schedule decodes plain (above batch 16 on the default CPU schedule), a request never
-asks. When it leaves
-(`release`) its whole text waits in `pending` for the shared trie, and the Scheduler inserts it while it
-has no requests (`idle_work`, one text at a time), so a loaded server spends no step on inserts into
-the shared trie. The tries are C++ where it builds (`new_ngram_cache`): ~2 us a prompt token and ~13 us
-an extend by one token through its cursor (more right after a forward), against ~40 and ~20 in Python. Another
-request drafts from a text once it went in.
+asks. When it leaves (`release`) its whole text waits in `pending` for the shared trie, and the
+Scheduler inserts it while it has no requests (`idle_work`, one text at a time), so a loaded server
+spends no step on inserts into the shared trie. The tries are C++ where it builds (`new_ngram_cache`):
+~2 us a prompt token and ~13 us an extend by one token through its cursor (more right after a
+forward), against ~40 and ~20 in Python. Another request drafts from a text once it went in.
 
 Why own text first: other requests' continuations of a match are accepted less often than the estimate
 says (it was fitted on a request's own text), and in one shared trie they also dilute the share of the
