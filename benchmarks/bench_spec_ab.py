@@ -25,7 +25,12 @@ Launch order: on the 2-vCPU dev VM the server launched second ran 5-19 % faster 
 the same flags (plain vs plain: 1.19x at batch 1, 1.15x at c16; launched the other way round, 0.89x and
 0.96x; cause unknown). So the whole run happens twice by default (`--launch-orders 2`): plain launched
 first, then the speculative server first, and each row's ratio is the geometric mean of the two runs'
-ratios (tokens/s averaged over both). Every timed pass starts from flushed caches (`/flush_cache`: the radix cache,
+ratios (tokens/s averaged over both). Even so one launch's ratio moves +-4 % between launches (chat
+at 16 concurrent on the Zen 4 VM: 0.92-1.08 over eighteen launches, 2026-12-07), more than a cell's
+margin to a target: `--launches K` runs each launch order K times, alternating, each with a new pair
+of servers, and the row gives the geometric mean over all 2K launches with its standard error
+(`launch_spread`: the spread of the launches' log ratios / sqrt(2K), as a factor) and the lowest and
+highest launch. Every timed pass starts from flushed caches (`/flush_cache`: the radix cache,
 and on the speculative server its n-gram corpus and parked draft rows), so no pass drafts from an
 earlier pass's replies to the same prompts (before 2026-11-26 the c4/c16 passes could: each prompt went
 to the speculative server once at batch 1 and twice per concurrency); both servers are flushed before
@@ -111,9 +116,22 @@ async def run_batch1(urls: dict[str, str], prompts: list[list[int]], max_new: in
     return outs, secs
 
 
+def launch_spread(ratios: list[float]) -> float | None:
+    """The standard error of the geometric mean of `ratios` (one per launch), as a factor: exp of the
+    sample standard deviation of their logs over sqrt(n). None for fewer than two launches."""
+    n = len(ratios)
+    if n < 2:
+        return None
+    logs = [math.log(r) for r in ratios]
+    mean = sum(logs) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1))
+    return math.exp(sd / math.sqrt(n))
+
+
 def combine(runs: list[dict]) -> dict:
-    """One row from the same (workload, mode) measured under each launch order: tokens/s averaged, the
-    ratio the geometric mean of the runs' ratios (the launch-order bias cancels), counts summed."""
+    """One row from the same (workload, mode) measured under each launch (each launch order, K times
+    with --launches K): tokens/s averaged, the ratio the geometric mean of the launches' ratios (the
+    launch-order bias cancels) with its standard error over the launches, counts summed."""
     if len(runs) == 1:
         return runs[0]
     ratio = math.prod(r["ratio"] for r in runs)
@@ -125,7 +143,8 @@ def combine(runs: list[dict]) -> dict:
     return {**runs[0], "prompts": sum(r["prompts"] for r in runs),
             "plain_tok_s": sum(r["plain_tok_s"] for r in runs) / len(runs),
             "spec_tok_s": sum(r["spec_tok_s"] for r in runs) / len(runs), "ratio": ratio ** (1 / len(runs)),
-            "ratios_by_order": [r["ratio"] for r in runs], "accept_length": emitted / steps if steps else None,
+            "ratios_by_launch": [r["ratio"] for r in runs], "launch_spread": launch_spread([r["ratio"] for r in runs]),
+            "accept_length": emitted / steps if steps else None,
             "spec_steps": steps, "accepted_drafts_by_source": dict(by_source), "equal": sum(r["equal"] for r in runs)}
 
 
@@ -152,9 +171,14 @@ def print_row(row: dict) -> None:
         print_row.header = True
     acc = f"{row['accept_length']:.2f}" if row["accept_length"] else "-"
     src = ", ".join(f"{k} {v}" for k, v in sorted(row["accepted_drafts_by_source"].items())) or "-"
+    spread = ""
+    if row.get("launch_spread") is not None:  # several launches: the standard error and the range
+        ratios = row["ratios_by_launch"]
+        spread = (f"  (x/ {row['launch_spread']:.3f} over {len(ratios)} launches, "
+                  f"{min(ratios):.3f}-{max(ratios):.3f})")
     print(f"{row['workload']:<10} {row['mode']:<6} {row['prompts']:>3} {row['plain_tok_s']:>11.1f} "
-          f"{row['spec_tok_s']:>10.1f} {row['ratio']:>5.2f}x {acc:>6} {row['equal']:>3}/{row['prompts']:<2}  {src}",
-          flush=True)
+          f"{row['spec_tok_s']:>10.1f} {row['ratio']:>5.2f}x {acc:>6} {row['equal']:>3}/{row['prompts']:<2}  {src}"
+          f"{spread}", flush=True)
 
 
 def save_prompts(path: str, workloads: list[str], num_prompts: int) -> int:
@@ -171,6 +195,11 @@ def save_prompts(path: str, workloads: list[str], num_prompts: int) -> int:
 
 # the launch orders of a run, in turn (--launch-orders takes the first one or both)
 LAUNCH_ORDERS: tuple[tuple[str, str], ...] = (("plain", "spec"), ("spec", "plain"))
+
+
+def launch_sequence(launch_orders: int, launches: int) -> list[tuple[str, str]]:
+    """The launches of a run, in turn: the launch orders alternating, each `launches` times."""
+    return list(LAUNCH_ORDERS[:launch_orders]) * launches
 
 
 def concurrent_pass_order(launch_order: tuple[str, str], launch_orders: int) -> tuple[str, ...]:
@@ -241,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-batch1", action="store_true", help="only the concurrency cells (tuning a load schedule)")
     p.add_argument("--launch-orders", type=int, default=2, choices=(1, 2),
                    help="2: run everything twice, plain launched first, then speculative first (default)")
+    p.add_argument("--launches", type=int, default=1,
+                   help="launches per launch order, alternating, each a new pair of servers (a launch's ratio "
+                        "moves +-4 %% here: more launches, a steadier row, with its standard error)")
     p.add_argument("--groups", type=int, default=1,
                    help="groups of four concurrent passes per cell and launch order (a pass's speed varies "
                         "+-3-5 %% here: more groups, a steadier ratio)")
@@ -253,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.groups < 1:
         p.error("--groups must be at least 1")
+    if args.launches < 1:
+        p.error("--launches must be at least 1")
     if args.save_prompts:
         return save_prompts(args.save_prompts, args.workloads, args.num_prompts)
     saved = json.loads(Path(args.prompts).read_text()) if args.prompts else None
@@ -262,18 +296,21 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--prompts {args.prompts} has no prompts for workload(s) {', '.join(missing)}")
 
     concs = [int(c) for c in args.concurrency.split(",") if c]
-    launches = LAUNCH_ORDERS[: args.launch_orders]
+    launches = launch_sequence(args.launch_orders, args.launches)
     runs = [run_servers(args, order, concs, saved) for order in launches]
     rows = [combine(list(same)) for same in zip(*runs, strict=True)]
     if len(runs) > 1:
-        print(f"both launch orders, ratio = geometric mean of {' and '.join(f'{a} first' for a, _ in launches)}:")
+        print(f"all {len(runs)} launches ({', '.join(f'{a} first' for a, _ in launches)}), "
+              "ratio = their geometric mean:")
         print_row.header = False
         for row in rows:
             print_row(row)
+    names = [f"{a}_first" if args.launches == 1 else f"{a}_first_{i // args.launch_orders + 1}"
+             for i, (a, _) in enumerate(launches)]
     Path(args.json).write_text(json.dumps({"host": cpu_flags(), "plain_args": args.plain_args,
                                            "spec_args": args.spec_args, "max_new_tokens": args.max_new_tokens,
-                                           "rows": rows, "rows_by_launch_order": dict(zip(
-                                               [f"{a}_first" for a, _ in launches], runs, strict=True))}, indent=1))
+                                           "rows": rows, "rows_by_launch_order": dict(zip(names, runs, strict=True))},
+                                          indent=1))
     print(f"wrote {args.json}")
     return 0
 

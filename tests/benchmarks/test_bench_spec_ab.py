@@ -1,9 +1,11 @@
 """bench_spec_ab: saved prompts (built once where the workloads' data is, replayed where it is not) and
-the concurrent passes' order (no server holds the faster places more often)."""
+the concurrent passes' order (no server holds the faster places more often), repeated launches and their
+spread."""
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -40,3 +42,29 @@ def test_groups_below_one_is_a_cli_error_naming_the_flag(capsys):
     with pytest.raises(SystemExit):  # no server started
         bench_spec_ab.main(["--groups", "0"])
     assert "--groups" in capsys.readouterr().err
+
+
+def test_launches_alternate_the_orders_and_each_counts_once_in_the_row(capsys):
+    assert bench_spec_ab.launch_sequence(2, 3) == [("plain", "spec"), ("spec", "plain")] * 3
+    assert bench_spec_ab.launch_sequence(1, 2) == [("plain", "spec")] * 2
+    ratios = [0.9, 1.0, 1.1, 1.2]
+    runs = [{"workload": "chat", "mode": "c16", "prompts": 2, "plain_tok_s": 100.0, "spec_tok_s": 100.0 * r,
+             "ratio": r, "accept_length": 2.0, "spec_steps": 10, "accepted_drafts_by_source": {"ngram": 5},
+             "equal": 2} for r in ratios]
+    row = bench_spec_ab.combine(runs)
+    logs = [math.log(r) for r in ratios]
+    mean = sum(logs) / 4
+    assert row["ratio"] == pytest.approx(math.exp(mean))
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / 3)
+    assert row["launch_spread"] == pytest.approx(math.exp(sd / 2))
+    assert row["ratios_by_launch"] == ratios and row["prompts"] == 8 and row["equal"] == 8
+    assert row["accepted_drafts_by_source"] == {"ngram": 20} and row["accept_length"] == pytest.approx(2.0)
+    assert bench_spec_ab.launch_spread([1.05]) is None and bench_spec_ab.launch_spread([1.0, 1.0]) == 1.0
+    bench_spec_ab.print_row(row)
+    assert "over 4 launches, 0.900-1.200" in capsys.readouterr().out
+
+
+def test_launches_below_one_is_a_cli_error_naming_the_flag(capsys):
+    with pytest.raises(SystemExit):  # no server started
+        bench_spec_ab.main(["--launches", "0"])
+    assert "--launches" in capsys.readouterr().err
