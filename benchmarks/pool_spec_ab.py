@@ -8,7 +8,7 @@ more than some cells' margin to their target, so single tables pass or miss such
 This reads the JSON of runs made with the same flags (`plain_args`, `spec_args`, `max_new_tokens`;
 files that differ are an error naming the file) and pools each cell's launches (`rows_by_launch_order`):
 the ratio is their geometric mean, with its standard error as a factor (x/ s), the lowest and highest
-launch, and `lower` = mean / s^2 (two standard errors below). A `--target [MODE:]...` line says, per
+launch, and `lower` = mean / s^2 (two standard errors below). `--target MODE[:WORKLOAD]=RATIO` says, per
 cell it covers, "meets" (lower >= target), "on the line" (mean >= target > lower) or "misses" (mean
 below). Prints a table and writes --json. Starts no server.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -34,7 +35,7 @@ def parse_target(text: str) -> tuple[str, str | None, float]:
         ratio = float(value)
     except ValueError:
         ratio = 0.0
-    if not sep or not mode or ratio <= 0:
+    if not sep or not mode or not math.isfinite(ratio) or ratio <= 0:
         raise ValueError(f"--target: expected MODE[:WORKLOAD]=RATIO (e.g. bs1:chat=1.3 or c16=0.98), "
                          f"got {text!r}")
     return mode, workload or None, ratio

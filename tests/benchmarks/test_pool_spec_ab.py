@@ -58,7 +58,7 @@ def test_runs_of_other_flags_are_an_error_naming_the_file(tmp_path, capsys):
     assert "b.json" in err and "spec_args" in err
 
 
-@pytest.mark.parametrize("target", ["c16", "c16=x", "=1.0", "c16=-1"])
+@pytest.mark.parametrize("target", ["c16", "c16=x", "=1.0", "c16=-1", "c16=nan"])
 def test_a_malformed_target_is_a_cli_error_naming_the_flag(tmp_path, capsys, target):
     a = write_run(tmp_path / "a.json", {"plain_first": [("chat", "c16", 1.0)]})
     with pytest.raises(SystemExit):
