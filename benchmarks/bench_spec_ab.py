@@ -134,7 +134,7 @@ def combine(runs: list[dict]) -> dict:
     launch-order bias cancels) with its standard error over the launches, counts summed."""
     if len(runs) == 1:
         return runs[0]
-    ratio = math.prod(r["ratio"] for r in runs)
+    ratios = [r["ratio"] for r in runs]
     by_source: Counter[str] = Counter()
     for r in runs:
         by_source.update(r["accepted_drafts_by_source"])
@@ -142,8 +142,9 @@ def combine(runs: list[dict]) -> dict:
     emitted = sum((r["accept_length"] or 0) * r["spec_steps"] for r in runs)
     return {**runs[0], "prompts": sum(r["prompts"] for r in runs),
             "plain_tok_s": sum(r["plain_tok_s"] for r in runs) / len(runs),
-            "spec_tok_s": sum(r["spec_tok_s"] for r in runs) / len(runs), "ratio": ratio ** (1 / len(runs)),
-            "ratios_by_launch": [r["ratio"] for r in runs], "launch_spread": launch_spread([r["ratio"] for r in runs]),
+            "spec_tok_s": sum(r["spec_tok_s"] for r in runs) / len(runs),
+            "ratio": math.prod(ratios) ** (1 / len(runs)), "ratios_by_launch": ratios,
+            "launch_spread": launch_spread(ratios),
             "accept_length": emitted / steps if steps else None,
             "spec_steps": steps, "accepted_drafts_by_source": dict(by_source), "equal": sum(r["equal"] for r in runs)}
 
